@@ -1,0 +1,139 @@
+"""Llama in Flax NNX.
+
+Dimension letters in einsum strings and shape comments:
+  B batch   T tokens   D hidden   F ffn   V vocab
+  N query heads   K KV heads   H head_dim
+
+Every layer keeps its own weight arrays (no stacked [L, ...] parameters): an
+unrolled loop over stacked weights decoded ~4x slower on XLA:CPU (JAX_NOTES).
+
+The model does not own a KV cache. Each attention layer hands its rotated q, k, v
+to an `attend` callback together with that layer's cache entry, and gets back the
+attention output and the updated entry. The reference generator (contiguous
+cache) and the serving entry points (paged cache) are two such callbacks over the
+same weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdisagg.model.config import LlamaConfig
+from jaxdisagg.model.rope import apply_rope, inverse_frequencies, rope_angles
+
+# attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], cache_entry) -> (out [B,T,N,H], cache_entry)
+Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
+
+
+def _normal(rngs: nnx.Rngs, shape: tuple[int, ...], dtype) -> jax.Array:
+    return (INIT_STD * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Normalise in fp32 whatever the compute dtype, then scale in the input dtype
+        # (the order transformers uses, so bf16 rounding matches too).
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * xf.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nnx.Param(_normal(rngs, (d, n, h), dtype))  # [D, N, H]
+        self.k_proj = nnx.Param(_normal(rngs, (d, k, h), dtype))  # [D, K, H]
+        self.v_proj = nnx.Param(_normal(rngs, (d, k, h), dtype))  # [D, K, H]
+        self.o_proj = nnx.Param(_normal(rngs, (n, h, d), dtype))  # [N, H, D]
+
+    def __call__(self, x, cos, sin, cache, attend: Attend):
+        q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
+        k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...])
+        v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, cache = attend(q, k, v, cache)  # [B, T, N, H]
+        return jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.o_proj[...]), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nnx.Param(_normal(rngs, (d, f), dtype))  # [D, F]
+        self.up_proj = nnx.Param(_normal(rngs, (d, f), dtype))  # [D, F]
+        self.down_proj = nnx.Param(_normal(rngs, (f, d), dtype))  # [F, D]
+
+    def __call__(self, x):
+        gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])
+        up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...])
+        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, dtype, rngs: nnx.Rngs):
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x, cos, sin, cache, attend: Attend):
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, cache, attend)
+        x = x + attn_out
+        return x + self.mlp(self.post_attn_norm(x)), cache
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
+                 seed: int = 0):
+        rngs = rngs if rngs is not None else nnx.Rngs(params=seed)
+        self.config = cfg
+        self.dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Param(_normal(rngs, (cfg.vocab_size, cfg.hidden_size), dtype))
+        self.layers = nnx.List([DecoderLayer(cfg, dtype, rngs) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        nnx.Param(_normal(rngs, (cfg.hidden_size, cfg.vocab_size), dtype)))
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> [B, T, D]."""
+        return jnp.take(self.embed_tokens[...], tokens, axis=0)
+
+    def run_layers(self, x, positions, caches: Sequence[Any], attend: Attend,
+                   layers: Sequence[int] | None = None):
+        """Runs the given layers (default: all) over x [B, T, D] at positions [B, T].
+
+        `caches` holds one entry per layer run. Returns (x, updated caches).
+        """
+        cfg = self.config
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_angles(positions, inv_freq)
+        layers = range(len(self.layers)) if layers is None else layers
+        new_caches = []
+        for i, cache in zip(layers, caches, strict=True):
+            x, cache = self.layers[i](x, cos, sin, cache, attend)
+            new_caches.append(cache)
+        return x, new_caches
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: [..., D] -> fp32 [..., V]."""
+        x = self.norm(x)
+        if self.lm_head is None:
+            out = jnp.einsum("...D,VD->...V", x, self.embed_tokens[...])
+        else:
+            out = jnp.einsum("...D,DV->...V", x, self.lm_head[...])
+        return out.astype(jnp.float32)
+
+    def __call__(self, tokens, positions, caches, attend: Attend):
+        """Whole forward: tokens [B, T] -> (fp32 logits [B, T, V], updated caches)."""
+        x, caches = self.run_layers(self.embed(tokens), positions, caches, attend)
+        return self.logits(x), caches

@@ -1,0 +1,158 @@
+"""The two serving entry points over a paged KV cache.
+
+`prefill_chunk` runs C tokens of one request; `decode_step` runs one token for
+each of B slots. Both are pure functions of (graphdef, params state, KV pages,
+inputs) with static shapes, so callers jit them once per bucket on any mesh and
+donate the pages (`jit_serving_fns`).
+
+Writes into the pages are scatters with `mode="drop"`: padded chunk positions and
+empty decode slots are given an out-of-range row and so never touch any block.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxdisagg.model.config import LlamaConfig
+from jaxdisagg.model.llama import Llama
+from jaxdisagg.pallas.attention import decode_attention, prefill_attention
+
+
+class KVPages(NamedTuple):
+    """Per layer K and V pages, each [num_blocks, block_size, K, H]."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of one pool's paged cache; equal layouts can exchange pages."""
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "float32"
+
+    @classmethod
+    def for_model(cls, cfg: LlamaConfig, num_blocks: int, block_size: int,
+                  dtype="float32") -> KVLayout:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"KVLayout: num_blocks ({num_blocks}) and block_size "
+                             f"({block_size}) must be positive")
+        return cls(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                   jnp.dtype(dtype).name)
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int]:
+        return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def allocate(self) -> KVPages:
+        zeros = lambda: tuple(jnp.zeros(self.page_shape, self.dtype)  # noqa: E731
+                              for _ in range(self.num_layers))
+        return KVPages(zeros(), zeros())
+
+    def nbytes(self) -> int:
+        return 2 * self.num_layers * jnp.dtype(self.dtype).itemsize * math.prod(self.page_shape)
+
+
+def _write(pages: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
+    """Scatters new [R, K, H] into flat rows of pages [NB, bs, K, H]; rows out of range drop."""
+    nb, bs = pages.shape[:2]
+    flat = pages.reshape(nb * bs, *pages.shape[2:])
+    return flat.at[rows].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
+
+
+def _rows(block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
+          num_blocks: int, block_size: int) -> jax.Array:
+    """Flat page rows for positions [...] through tables [..., P]; invalid -> out of range."""
+    pages = jnp.take_along_axis(block_tables, positions // block_size, axis=-1, mode="clip")
+    rows = pages * block_size + positions % block_size
+    return jnp.where(valid, rows, num_blocks * block_size)
+
+
+def _split_kv(kv: KVPages, start_layer: int, count: int) -> list[tuple[jax.Array, jax.Array]]:
+    return [(kv.k[i], kv.v[i]) for i in range(start_layer, start_layer + count)]
+
+
+def _join_kv(caches) -> KVPages:
+    return KVPages(tuple(c[0] for c in caches), tuple(c[1] for c in caches))
+
+
+def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
+                  start: jax.Array, num_valid: jax.Array, block_table: jax.Array, *,
+                  backend: str = "reference") -> tuple[jax.Array, KVPages]:
+    """One prefill chunk of one request.
+
+    tokens [C] (the first num_valid real, the rest padding) at positions
+    start .. start+C; block_table [P] the request's pages, covering positions up to
+    start + num_valid. Writes the chunk's K/V, attends to prefix + chunk, and
+    returns (fp32 logits [V] of the last real token, updated pages).
+    """
+    model: Llama = nnx.merge(graphdef, state)
+    c = tokens.shape[0]
+    nb, bs = kv.k[0].shape[:2]
+    positions = start + jnp.arange(c, dtype=jnp.int32)
+    rows = _rows(block_table, positions, jnp.arange(c) < num_valid, nb, bs)
+    scale = model.config.head_dim ** -0.5
+
+    def attend(q, k, v, cache):
+        k_pages, v_pages = _write(cache[0], rows, k[0]), _write(cache[1], rows, v[0])
+        out = prefill_attention(q[0], k_pages, v_pages, block_table, start, num_valid,
+                                scale=scale, backend=backend)
+        return out[None], (k_pages, v_pages)
+
+    x, caches = model.run_layers(model.embed(tokens[None]), positions[None],
+                                 _split_kv(kv, 0, len(kv.k)), attend)
+    last = jax.lax.dynamic_index_in_dim(x[0], num_valid - 1, axis=0, keepdims=False)
+    return model.logits(last), _join_kv(caches)
+
+
+def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
+                positions: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
+                backend: str = "reference") -> tuple[jax.Array, KVPages]:
+    """One decode step for B slots.
+
+    tokens, positions, seq_lens [B]; block_tables [B, P]. An active slot has
+    seq_len = position + 1 (its new token included); seq_len 0 marks an empty slot,
+    which writes nothing. Returns (fp32 logits [B, V], updated pages).
+    """
+    model: Llama = nnx.merge(graphdef, state)
+    nb, bs = kv.k[0].shape[:2]
+    rows = _rows(block_tables, positions[:, None], (seq_lens > 0)[:, None], nb, bs)[:, 0]
+    scale = model.config.head_dim ** -0.5
+
+    def attend(q, k, v, cache):
+        k_pages, v_pages = _write(cache[0], rows, k[:, 0]), _write(cache[1], rows, v[:, 0])
+        out = decode_attention(q[:, 0], k_pages, v_pages, block_tables, seq_lens,
+                               scale=scale, backend=backend)
+        return out[:, None], (k_pages, v_pages)
+
+    x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],
+                                 _split_kv(kv, 0, len(kv.k)), attend)
+    return model.logits(x[:, 0]), _join_kv(caches)
+
+
+class ServingFns(NamedTuple):
+    """Jitted entry points with the KV pages donated (updated in place)."""
+
+    prefill: callable
+    decode: callable
+
+
+def jit_serving_fns(graphdef: nnx.GraphDef, backend: str = "reference") -> ServingFns:
+    """jax.jit over the split state (merge inside): ~2.7x less dispatch than nnx.jit."""
+    prefill = jax.jit(functools.partial(prefill_chunk, graphdef, backend=backend),
+                      donate_argnums=(1,))
+    decode = jax.jit(functools.partial(decode_step, graphdef, backend=backend),
+                     donate_argnums=(1,))
+    return ServingFns(prefill, decode)

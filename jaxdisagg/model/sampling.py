@@ -1,0 +1,63 @@
+"""Token sampling on device, one parameter set per row.
+
+temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. Each
+row draws from its own key, so a request's tokens depend only on its seed and
+its step, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    max_tokens: int = 16
+
+    def __post_init__(self):
+        checks = [
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 is greedy)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
+             "must be an int >= 0 (0 is off)"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0,
+             "must be a positive int"),
+            ("seed", isinstance(self.seed, int), "must be an int"),
+        ]
+        for field, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+
+
+def _sample_row(logits, key, temperature, top_k, top_p):
+    """logits [V] fp32 -> token id (int32)."""
+    greedy = jnp.argmax(logits).astype(jnp.int32)
+    order = jnp.argsort(-logits)
+    sorted_logits = logits[order] / jnp.maximum(temperature, 1e-6)
+    rank = jnp.arange(logits.shape[0])
+    keep = (top_k <= 0) | (rank < top_k)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf))
+    # Nucleus: keep the smallest prefix whose mass reaches top_p (the top token always).
+    keep &= (jnp.cumsum(probs) - probs) < top_p
+    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf))
+    sampled = order[choice].astype(jnp.int32)
+    return jnp.where(temperature > 0, sampled, greedy)
+
+
+@jax.jit
+def sample(logits, keys, temperature, top_k, top_p):
+    """logits [B, V]; keys [B] typed PRNG keys; per-row params [B] -> tokens [B] int32."""
+    return jax.vmap(_sample_row)(logits, keys, temperature, top_k, top_p)
+
+
+def row_keys(seeds, step: int):
+    """One key per row for this step: fold the step into each request's own seed."""
+    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(
+        jnp.asarray(seeds, jnp.uint32))

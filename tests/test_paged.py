@@ -1,0 +1,130 @@
+"""The paged serving entry points agree with the contiguous reference generator."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxdisagg.model import KVLayout, ReferenceGenerator, SamplingParams, jit_serving_fns
+
+BLOCK = 8
+PROMPT_LENS = (5, 17, 33)  # ragged: none a multiple of the block size except by chance
+MAX_PAGES = 8  # per request: 64 positions
+
+
+def random_prompts(rng, lens, vocab):
+    return [rng.integers(0, vocab, size=n).tolist() for n in lens]
+
+
+def random_tables(rng, n_requests, num_blocks):
+    """Disjoint, shuffled (non-contiguous) page lists, one row per request."""
+    perm = rng.permutation(num_blocks)[: n_requests * MAX_PAGES]
+    return perm.reshape(n_requests, MAX_PAGES).astype(np.int32)
+
+
+def prefill_in_chunks(fns, state, kv, prompt, table, chunk):
+    """Runs the prompt chunk by chunk; returns (logits after each chunk, pages)."""
+    out = []
+    for start in range(0, len(prompt), chunk):
+        piece = prompt[start:start + chunk]
+        tokens = np.zeros(chunk, np.int32)
+        tokens[: len(piece)] = piece
+        logits, kv = fns.prefill(state, kv, jnp.asarray(tokens), jnp.int32(start),
+                                 jnp.int32(len(piece)), jnp.asarray(table))
+        out.append((start + len(piece) - 1, np.asarray(logits)))
+    return out, kv
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model):
+    graphdef, state = nnx.split(tiny_model)
+    return tiny_model, state, jit_serving_fns(graphdef)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16, 64])
+def test_chunked_prefill_matches_reference(setup, chunk):
+    model, state, fns = setup
+    rng = np.random.default_rng(chunk)
+    prompts = random_prompts(rng, PROMPT_LENS, model.config.vocab_size)
+    ref = ReferenceGenerator(model).prompt_logits(prompts)  # [B, T, V]
+    layout = KVLayout.for_model(model.config, num_blocks=32, block_size=BLOCK)
+    kv = layout.allocate()
+    tables = random_tables(rng, len(prompts), layout.num_blocks)
+    for i, prompt in enumerate(prompts):
+        results, kv = prefill_in_chunks(fns, state, kv, prompt, tables[i], chunk)
+        for pos, logits in results:
+            np.testing.assert_allclose(logits, ref[i, pos], atol=1e-5, rtol=0)
+
+
+def test_prefill_padding_touches_no_other_block(setup):
+    model, state, fns = setup
+    rng = np.random.default_rng(0)
+    layout = KVLayout.for_model(model.config, num_blocks=16, block_size=BLOCK)
+    poison = 7.0
+    kv = layout.allocate()
+    kv = type(kv)(tuple(jnp.full_like(k, poison) for k in kv.k),
+                  tuple(jnp.full_like(v, poison) for v in kv.v))
+    # 11 real tokens in two pages; the table's unused entries point at real blocks
+    # (3, 4) that belong to someone else, and the chunk is padded to 32.
+    table = np.array([9, 2, 3, 4, 3, 4, 3, 4], np.int32)
+    prompt = rng.integers(0, model.config.vocab_size, size=11).tolist()
+    _, kv = prefill_in_chunks(fns, state, kv, prompt, table, chunk=32)
+    for pages in (*kv.k, *kv.v):
+        pages = np.asarray(pages)
+        untouched = [b for b in range(layout.num_blocks) if b not in (9, 2)]
+        assert (pages[untouched] == poison).all()
+        assert (pages[9] != poison).all(axis=(1, 2)).all()  # 8 positions written
+        assert (pages[2, :3] != poison).all() and (pages[2, 3:] == poison).all()
+
+
+def test_decode_steps_match_reference(setup):
+    """Ragged batch with an empty slot in the middle, greedy tokens and logits per step."""
+    model, state, fns = setup
+    rng = np.random.default_rng(1)
+    prompts = random_prompts(rng, PROMPT_LENS, model.config.vocab_size)
+    steps = 6
+    ref_logits = []
+    ref_gen = ReferenceGenerator(model)
+    ref_tokens = ref_gen.generate(prompts, SamplingParams(max_tokens=steps), stop_token_ids=[])
+    list(ref_gen.stream(prompts, SamplingParams(max_tokens=steps), stop_token_ids=[],
+                        logits_out=ref_logits))
+
+    layout = KVLayout.for_model(model.config, num_blocks=40, block_size=BLOCK)
+    kv = layout.allocate()
+    tables = random_tables(rng, len(prompts) + 1, layout.num_blocks)
+    slots = [0, 2, 3]  # slot 1 stays empty
+    for i, prompt in enumerate(prompts):
+        results, kv = prefill_in_chunks(fns, state, kv, prompt, tables[slots[i]], chunk=16)
+        np.testing.assert_allclose(results[-1][1], ref_logits[0][i], atol=1e-5, rtol=0)
+
+    n_slots = 4
+    lens = np.zeros(n_slots, np.int32)
+    tokens = np.zeros(n_slots, np.int32)
+    for i, s in enumerate(slots):
+        lens[s] = len(prompts[i])
+        tokens[s] = ref_tokens[i][0]
+    for step in range(1, steps):
+        positions = lens.copy()
+        seq_lens = np.where(lens > 0, lens + 1, 0).astype(np.int32)
+        logits, kv = fns.decode(state, kv, jnp.asarray(tokens), jnp.asarray(positions),
+                                jnp.asarray(tables[:n_slots]), jnp.asarray(seq_lens))
+        logits = np.asarray(logits)
+        for i, s in enumerate(slots):
+            np.testing.assert_allclose(logits[s], ref_logits[step][i], atol=1e-5, rtol=0)
+            assert int(logits[s].argmax()) == ref_tokens[i][step]
+            tokens[s] = ref_tokens[i][step]
+        assert np.isfinite(logits).all()
+        lens = np.where(lens > 0, lens + 1, 0).astype(np.int32)
+
+
+def test_empty_decode_slot_writes_nothing(setup):
+    model, state, fns = setup
+    layout = KVLayout.for_model(model.config, num_blocks=8, block_size=BLOCK)
+    kv = layout.allocate()
+    before = [np.asarray(k).copy() for k in kv.k]
+    tables = np.arange(16, dtype=np.int32).reshape(2, 8) % 8
+    logits, kv = fns.decode(state, kv, jnp.array([5, 6], jnp.int32), jnp.array([3, 0], jnp.int32),
+                            jnp.asarray(tables), jnp.array([0, 0], jnp.int32))
+    assert np.isfinite(np.asarray(logits)).all()
+    for b, k in zip(before, kv.k, strict=True):
+        np.testing.assert_array_equal(b, np.asarray(k))
