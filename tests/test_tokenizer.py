@@ -1,0 +1,62 @@
+"""Tokenizers: byte-level for the presets, tokenizer.json for checkpoints."""
+
+import json
+
+import pytest
+from hf_util import make_hf_model, write_tokenizer_json
+
+from jaxdisagg.model import get_preset
+from jaxdisagg.model.config import BYTE_BOS, BYTE_EOS
+from jaxdisagg.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxdisagg.model.weights import load_model
+
+
+@pytest.mark.parametrize("text", ["", "hello world", "ünïcødé ✓ 漢字", "line\nbreak\ttab"])
+def test_byte_round_trip(text):
+    tok = ByteTokenizer(get_preset("tiny").vocab_size)
+    ids = tok.encode(text)
+    assert ids[0] == BYTE_BOS and all(0 <= i < 256 for i in ids[1:])
+    assert tok.decode(ids) == text
+    assert tok.decode(ids + [BYTE_EOS, 300, 383]) == text  # specials and unused ids carry no text
+    assert tok.encode(text, add_bos=False) == ids[1:]
+
+
+def test_byte_decode_of_split_utf8_is_replaced_not_raised():
+    tok = ByteTokenizer(384)
+    assert tok.decode(list("é".encode())[:1]) == "\ufffd"
+
+
+def test_preset_uses_byte_tokenizer():
+    cfg = get_preset("tiny")
+    tok = load_tokenizer(None, cfg)
+    assert isinstance(tok, ByteTokenizer) and tok.eos_ids == cfg.eos_token_ids
+
+
+def test_hf_tokenizer_from_checkpoint(tmp_path):
+    path, _ = make_hf_model(tmp_path)
+    model, tok = load_model(str(path))
+    assert tok is None  # no tokenizer.json: token ids only, never a silent byte fallback
+    write_tokenizer_json(path)
+    _, tok = load_model(str(path))
+    assert isinstance(tok, HFTokenizer)
+    ids = tok.encode("w0 w5 w39")
+    assert ids == [1, 3, 8, 42]  # BOS once, from the file's own post-processor
+    assert tok.decode(ids) == "w0 w5 w39"
+    assert tok.decode(ids + [2]) == "w0 w5 w39"  # EOS is special: dropped
+    assert tok.encode("w0", add_bos=False) == [3]
+    assert tok.bos_id == 1 and tok.eos_ids == (2,)
+
+
+def test_hf_tokenizer_adds_bos_when_file_does_not(tmp_path):
+    path = write_tokenizer_json(tmp_path)
+    data = json.loads(path.read_text())
+    data["post_processor"] = None
+    path.write_text(json.dumps(data))
+    cfg = get_preset("tiny").replace(bos_token_id=1, eos_token_ids=(2,))
+    assert HFTokenizer(path, cfg).encode("w1") == [1, 4]
+
+
+def test_bad_tokenizer_file(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid tokenizer.json"):
+        HFTokenizer(tmp_path / "tokenizer.json", get_preset("tiny"))
