@@ -77,3 +77,30 @@ def load_tokenizer(checkpoint_dir: str | Path | None, config: LlamaConfig) -> To
         return ByteTokenizer(config.vocab_size)
     path = Path(checkpoint_dir) / "tokenizer.json"
     return HFTokenizer(path, config) if path.exists() else None
+
+
+class IncrementalDecoder:
+    """Turns a growing list of ids into text deltas for streaming.
+
+    Decodes the whole list each time and emits what is new, holding back a
+    trailing U+FFFD: it usually means a multi-byte character is still incomplete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.emitted = 0
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        stable = len(text.rstrip("\ufffd"))
+        delta = text[self.emitted:stable]
+        self.emitted = max(self.emitted, stable)
+        return delta
+
+    def flush(self) -> str:
+        text = self.tokenizer.decode(self.ids)
+        delta = text[self.emitted:]
+        self.emitted = len(text)
+        return delta

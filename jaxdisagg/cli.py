@@ -1,0 +1,123 @@
+"""The `jaxdisagg` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+DTYPES = ("float32", "bfloat16")
+
+
+def _printable(text: str) -> str:
+    """Escapes control characters so random-weight output cannot drive the terminal."""
+    return "".join(c if c.isprintable() or c in "\n\t" else f"\\x{ord(c):02x}" for c in text)
+
+
+def cmd_convert(args) -> int:
+    from pathlib import Path
+
+    from jaxdisagg.model.weights import load_hf_checkpoint, save_orbax
+
+    src = Path(args.hf_dir)
+    model = load_hf_checkpoint(src, args.dtype, progress=True)
+    tok = src / "tokenizer.json"
+    out = save_orbax(model, args.out_dir, tokenizer_json=tok if tok.exists() else None,
+                     progress=True)
+    cfg = model.config
+    print(f"wrote {out}: {cfg.num_params() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
+          f"{args.dtype}{', with tokenizer.json' if tok.exists() else ''}")
+    return 0
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise ValueError(f"--token-ids: expected integers, got {text!r}") from None
+
+
+def cmd_generate(args) -> int:
+    from jaxdisagg.model import ReferenceGenerator, SamplingParams
+    from jaxdisagg.model.tokenizer import IncrementalDecoder
+    from jaxdisagg.model.weights import load_model
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    model, tok = load_model(args.model, args.dtype, seed=args.seed_weights, progress=True)
+    if args.token_ids:
+        prompts = [_parse_ids(p) for p in args.prompt]
+    elif tok is None:
+        raise ValueError(f"{args.model} has no tokenizer.json: pass --token-ids and "
+                         "space-separated ids")
+    else:
+        prompts = [tok.encode(p) for p in args.prompt]
+    gen = ReferenceGenerator(model)
+    # Ids in, ids out: --token-ids prints token ids even when a tokenizer exists.
+    out_tok = None if args.token_ids else tok
+    decoders = [IncrementalDecoder(out_tok) if out_tok else None for _ in prompts]
+    stream = len(prompts) == 1
+    outputs: list[list[int]] = [[] for _ in prompts]
+    t0 = time.perf_counter()
+    ttft = None
+    for step in gen.stream(prompts, params):
+        ttft = ttft if ttft is not None else time.perf_counter() - t0
+        for i, t in enumerate(step):
+            if t is None:
+                continue
+            outputs[i].append(t)
+            if stream:
+                piece = decoders[i].push(t) if decoders[i] else f"{t} "
+                print(_printable(piece), end="", flush=True)
+    elapsed = time.perf_counter() - t0
+    if stream:
+        print(_printable(decoders[0].flush()) if decoders[0] else "")
+    else:
+        for i, (prompt, out) in enumerate(zip(args.prompt, outputs, strict=True)):
+            text = out_tok.decode(out) if out_tok else " ".join(map(str, out))
+            print(f"[{i}] {prompt!r} -> {_printable(text)!r}")
+    n = sum(len(o) for o in outputs)
+    print(f"\n{model.config.name}: {len(prompts)} prompt(s), {n} tokens in {elapsed:.2f}s, "
+          f"first token after {ttft * 1e3:.0f} ms (includes compilation), "
+          f"{n / elapsed:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="jaxdisagg", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face Llama checkpoint to Orbax")
+    c.add_argument("hf_dir")
+    c.add_argument("out_dir")
+    c.add_argument("--dtype", choices=DTYPES, default="float32")
+    c.set_defaults(fn=cmd_convert)
+
+    g = sub.add_parser("generate", help="generate text with the reference generator")
+    g.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
+    g.add_argument("--model", default="tiny",
+                   help="preset name (random weights) or checkpoint directory (HF or Orbax)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0, help="sampling seed")
+    g.add_argument("--seed-weights", type=int, default=0, help="init seed of a preset's weights")
+    g.add_argument("--token-ids", action="store_true",
+                   help="prompts are space-separated token ids, and ids are printed")
+    g.set_defaults(fn=cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileExistsError) as e:  # CheckpointError is a ValueError
+        print(f"jaxdisagg {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

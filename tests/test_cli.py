@@ -1,0 +1,64 @@
+"""The `jaxdisagg` console script, run as a user would, in subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hf_util import make_hf_model, write_tokenizer_json
+
+from jaxdisagg.model import ReferenceGenerator, SamplingParams
+from jaxdisagg.model.weights import load_hf_checkpoint
+
+SCRIPT = Path(sys.executable).parent / "jaxdisagg"
+
+
+def run(*args, timeout=180):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_console_script_installed():
+    assert SCRIPT.exists(), "pip install -e . should put the jaxdisagg script beside python"
+    out = run("--help")
+    assert out.returncode == 0 and "convert" in out.stdout and "generate" in out.stdout
+
+
+def test_generate_default_preset_streams_text():
+    out = run("generate", "--max-tokens", "5", "Hello")
+    assert out.returncode == 0, out.stderr
+    assert "tiny: 1 prompt(s), 5 tokens" in out.stderr
+
+
+def test_convert_then_generate_matches_library(tmp_path):
+    hf, _ = make_hf_model(tmp_path, heads=4, kv_heads=2)
+    write_tokenizer_json(hf)
+    out = run("convert", str(hf), str(tmp_path / "orbax"))
+    assert out.returncode == 0, out.stderr
+    assert "with tokenizer.json" in out.stdout
+    assert (tmp_path / "orbax" / "state").is_dir()
+
+    gen = run("generate", "--model", str(tmp_path / "orbax"), "--token-ids", "--max-tokens", "6",
+              "1 5 9 13")
+    assert gen.returncode == 0, gen.stderr
+    want = ReferenceGenerator(load_hf_checkpoint(hf)).generate(
+        [[1, 5, 9, 13]], SamplingParams(max_tokens=6))[0]
+    assert gen.stdout.split() == [str(t) for t in want]
+
+    text = run("generate", "--model", str(tmp_path / "orbax"), "--max-tokens", "3", "w1 w2")
+    assert text.returncode == 0, text.stderr
+
+
+def test_errors_are_clear_and_exit_2(tmp_path):
+    cases = [
+        (("generate", "--model", "nope", "hi"), "unknown model preset 'nope'"),
+        (("generate", "--max-tokens", "0", "hi"), "SamplingParams.max_tokens"),
+        (("generate", "--token-ids", "1 x"), "expected integers"),
+        (("convert", str(tmp_path), str(tmp_path / "o")), "config.json: not found"),
+    ]
+    for args, message in cases:
+        out = run(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert message in out.stderr, (args, out.stderr)
+        assert "Traceback" not in out.stderr
