@@ -1,5 +1,7 @@
 """The paged serving entry points agree with the contiguous reference generator."""
 
+import re
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,3 +130,27 @@ def test_empty_decode_slot_writes_nothing(setup):
     assert np.isfinite(np.asarray(logits)).all()
     for b, k in zip(before, kv.k, strict=True):
         np.testing.assert_array_equal(b, np.asarray(k))
+
+
+@pytest.mark.parametrize("kind,width", [("decode", 1), ("decode", 3), ("prefill", 1),
+                                        ("prefill", 16)])
+def test_steps_update_the_pool_in_place(setup, kind, width):
+    """The compiled step never copies a KV pool: its cost must not grow with the pool.
+
+    (A one-row scatter used to become a dynamic-update-slice that XLA:CPU could not
+    do in place, copying every layer's pool on every step.)
+    """
+    model, state, fns = setup
+    layout = KVLayout.for_model(model.config, num_blocks=37, block_size=BLOCK)
+    kv = layout.allocate()
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    if kind == "decode":
+        lowered = fns.decode.lower(state, kv, i32(width), i32(width), i32(width, MAX_PAGES),
+                                   i32(width))
+    else:
+        lowered = fns.prefill.lower(state, kv, i32(width), jnp.int32(0), jnp.int32(1),
+                                    i32(MAX_PAGES))
+    hlo = lowered.compile().as_text()
+    pool = rf"f32\[(37,{BLOCK}|{37 * BLOCK}),"
+    copies = [line for line in hlo.splitlines() if re.search(pool + r".* copy\(", line)]
+    assert not copies, "\n".join(copies[:4])

@@ -68,6 +68,12 @@ class KVLayout:
 def _write(pages: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
     """Scatters new [R, K, H] into flat rows of pages [NB, bs, K, H]; rows out of range drop."""
     nb, bs = pages.shape[:2]
+    if rows.shape[0] == 1:
+        # XLA rewrites a one-row scatter into a dynamic-update-slice, which it then
+        # cannot do in place when the pages are read in the same program: it copies
+        # the whole pool (O(pool) per layer per step: 170 ms a decode step at 1281
+        # blocks). Writing the same row twice keeps it a true in-place scatter.
+        rows, new = jnp.concatenate([rows, rows]), jnp.concatenate([new, new])
     flat = pages.reshape(nb * bs, *pages.shape[2:])
     return flat.at[rows].set(new.astype(pages.dtype), mode="drop").reshape(pages.shape)
 

@@ -1,0 +1,204 @@
+"""Model step times on CPU against this machine's own ceilings, in one run.
+
+The `small` preset in fp32: a 512-token prefill chunk, and decode steps at B=1 and
+B=8 with ~512 tokens of context per slot. Beside them, measured the same way in
+the same process: the matmul rate (the prefill ceiling) and the weight-streaming
+bandwidth of a large fp32 matrix-vector product (the decode ceiling). If
+`transformers` is installed, HF on the same weights too.
+
+    python benchmarks/model_cpu.py [--repeats 7] [--out benchmarks/results/model_cpu.json]
+
+Prints a table and writes JSON. The machine is noisy: compare ratios within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxdisagg.model import KVLayout, Llama, get_preset, jit_serving_fns
+
+CONTEXT = 512
+BLOCK = 16
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() over repeats, after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def ceilings(repeats: int) -> dict:
+    """This machine's fp32 matmul rate and weight-streaming bandwidth, XLA and numpy."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((512, 2048), np.float32)
+    b = rng.standard_normal((2048, 2048), np.float32)
+    w = rng.standard_normal((8192, 8192), np.float32)  # 256 MiB: far past every cache
+    x = rng.standard_normal((8192,), np.float32)
+    flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    dot = jax.jit(jnp.dot)
+    ja, jb, jw, jx = map(jnp.asarray, (a, b, w, x))
+    out = {
+        "matmul_gflops_xla": flops / timed(lambda: dot(ja, jb).block_until_ready(), repeats) / 1e9,
+        "matmul_gflops_numpy": flops / timed(lambda: a @ b, repeats) / 1e9,
+        "stream_gbs_xla": w.nbytes / timed(lambda: dot(jw, jx).block_until_ready(), repeats) / 1e9,
+        "stream_gbs_numpy": w.nbytes / timed(lambda: w @ x, repeats) / 1e9,
+    }
+    out["matmul_gflops"] = max(out["matmul_gflops_xla"], out["matmul_gflops_numpy"])
+    out["stream_gbs"] = max(out["stream_gbs_xla"], out["stream_gbs_numpy"])
+    return out
+
+
+def model_costs(cfg) -> dict:
+    """Bytes a decode step must stream and FLOPs a prefill chunk must do (fp32)."""
+    d, v = cfg.hidden_size, cfg.vocab_size
+    layer_params = (cfg.num_params() - v * d * (1 if cfg.tie_word_embeddings else 2) - d)
+    head_params = v * d
+    t = CONTEXT
+    attn_flops = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * t * (t + 1) / 2
+    return {
+        # Every layer weight and the LM head; the embedding is read one row per token.
+        "decode_weight_bytes": 4 * (layer_params + head_params + d),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
+        # Layers for every token (causal attention counted once), LM head for the last.
+        "prefill_flops": 2 * layer_params * t + attn_flops + 2 * head_params,
+    }
+
+
+def ours(model, repeats: int) -> dict:
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    fns = jit_serving_fns(graphdef)
+    pages = CONTEXT // BLOCK + 8  # room for the decoded tokens
+    layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BLOCK)
+    kv = [layout.allocate()]
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(layout.num_blocks)[: 8 * pages].reshape(8, pages).astype(np.int32)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, CONTEXT), jnp.int32)
+
+    def prefill(slot=0):
+        logits, kv[0] = fns.prefill(state, kv[0], prompt, jnp.int32(0), jnp.int32(CONTEXT),
+                                    jnp.asarray(tables[slot]))
+        logits.block_until_ready()
+
+    res = {"prefill_512_s": timed(prefill, repeats)}
+    for slot in range(8):  # fill every slot's cache with a real 512-token prefix
+        prefill(slot)
+
+    for b in (1, 8):
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, b), jnp.int32)
+        pos = jnp.full((b,), CONTEXT, jnp.int32)
+        lens = pos + 1
+        tab = jnp.asarray(tables[:b])
+
+        def step(tokens=tokens, pos=pos, tab=tab, lens=lens):
+            logits, kv[0] = fns.decode(state, kv[0], tokens, pos, tab, lens)
+            logits.block_until_ready()
+
+        res[f"decode_b{b}_s"] = timed(step, repeats * 3)
+    return res
+
+
+def hf(model, repeats: int) -> dict | None:
+    try:
+        import torch
+        from transformers import LlamaForCausalLM
+    except ImportError:
+        return None
+    from jaxdisagg.model.weights import save_hf_checkpoint
+
+    with tempfile.TemporaryDirectory() as d:
+        save_hf_checkpoint(model, d)
+        hf_model = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    prompt = torch.tensor(rng.integers(0, model.config.vocab_size, (1, CONTEXT)))
+    new = 32
+    with torch.no_grad():
+        prefill = timed(lambda: hf_model(prompt, use_cache=False), repeats)
+
+        def gen(b):
+            batch = prompt.repeat(b, 1)
+            kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=new)
+            full = timed(lambda: hf_model.generate(batch, max_new_tokens=new, **kw), 2)
+            first = timed(lambda: hf_model.generate(batch, max_new_tokens=1, **kw), 2)
+            return (full - first) / (new - 1)  # per decode step, prefill excluded
+
+        return {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                "prefill_512_s": prefill, "decode_b1_s": gen(1), "decode_b8_s": gen(8)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="benchmarks/results/model_cpu.json")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    args = p.parse_args(argv)
+
+    cfg = get_preset("small")
+    model = Llama(cfg, dtype=jnp.float32, seed=0)
+    ceil = ceilings(args.repeats)
+    cost = model_costs(cfg)
+    mine = ours(model, args.repeats)
+    theirs = None if args.no_hf else hf(model, args.repeats)
+
+    prefill_gflops = cost["prefill_flops"] / mine["prefill_512_s"] / 1e9
+    rows = [
+        ("matmul rate (fp32, max of XLA/numpy)", f"{ceil['matmul_gflops']:.0f} GFLOP/s", ""),
+        ("weight streaming (fp32 matvec)", f"{ceil['stream_gbs']:.1f} GB/s", ""),
+        ("prefill 512 tokens", f"{mine['prefill_512_s'] * 1e3:.1f} ms",
+         f"{prefill_gflops:.0f} GFLOP/s = {prefill_gflops / ceil['matmul_gflops']:.0%} "
+         "of matmul rate (target >= 55%)"),
+    ]
+    result = {"ceilings": ceil, "costs": cost, "ours": mine, "hf": theirs}
+    for b in (1, 8):
+        s = mine[f"decode_b{b}_s"]
+        gbs = cost["decode_weight_bytes"] / s / 1e9
+        result[f"decode_b{b}_weight_gbs"] = gbs
+        rows.append((f"decode step B={b}, context {CONTEXT}", f"{s * 1e3:.2f} ms",
+                     f"weights at {gbs:.1f} GB/s = {gbs / ceil['stream_gbs']:.0%} of streaming"
+                     + (" (target >= 80%)" if b == 1 else "")))
+    ratio = mine["decode_b8_s"] / mine["decode_b1_s"]
+    rows.append(("decode B=8 / B=1", f"{ratio:.2f}x", "target <= 1.5x"))
+    result["decode_b8_over_b1"] = ratio
+    result["prefill_fraction_of_matmul"] = prefill_gflops / ceil["matmul_gflops"]
+    result["decode_b1_fraction_of_stream"] = result["decode_b1_weight_gbs"] / ceil["stream_gbs"]
+    if theirs:
+        for key, label in (("prefill_512_s", "prefill 512"), ("decode_b1_s", "decode B=1"),
+                           ("decode_b8_s", "decode B=8")):
+            rows.append((f"HF transformers {label}", f"{theirs[key] * 1e3:.2f} ms",
+                         f"ours is {theirs[key] / mine[key]:.2f}x faster"))
+    result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
+                         "python": sys.version.split()[0], "jax": jax.__version__,
+                         "date": time.strftime("%Y-%m-%d %H:%M")}
+
+    width = max(len(r[0]) for r in rows)
+    print(f"small preset (fp32, {cfg.num_params() / 1e6:.1f}M params), jax {jax.__version__}, "
+          f"{os.cpu_count()} CPUs, median of {args.repeats}+ runs")
+    for name, value, note in rows:
+        print(f"  {name:<{width}}  {value:>14}  {note}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
