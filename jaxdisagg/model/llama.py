@@ -63,7 +63,9 @@ class Attention(nnx.Module):
         v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, cache = attend(q, k, v, cache)  # [B, T, N, H]
-        return jnp.einsum("BTNH,NHD->BTD", out.astype(x.dtype), self.o_proj[...]), cache
+        b, t, n, h = out.shape
+        o_proj = self.o_proj[...].reshape(n * h, -1)  # [N*H, D]: one plain matmul
+        return jnp.einsum("BTM,MD->BTD", out.astype(x.dtype).reshape(b, t, n * h), o_proj), cache
 
 
 class MLP(nnx.Module):
