@@ -154,3 +154,18 @@ def test_steps_update_the_pool_in_place(setup, kind, width):
     pool = rf"f32\[(37,{BLOCK}|{37 * BLOCK}),"
     copies = [line for line in hlo.splitlines() if re.search(pool + r".* copy\(", line)]
     assert not copies, "\n".join(copies[:4])
+
+
+def test_positions_past_the_table_are_dropped_not_clipped(setup):
+    """A table too short for the chunk (a caller bug) must not corrupt its last page."""
+    model, state, fns = setup
+    layout = KVLayout.for_model(model.config, num_blocks=8, block_size=BLOCK)
+    kv = layout.allocate()
+    table = np.array([5, 6], np.int32)  # room for 16 positions, the chunk has 20
+    prompt = np.random.default_rng(3).integers(0, model.config.vocab_size, 20).tolist()
+    short_kv = KVLayout.for_model(model.config, num_blocks=8, block_size=BLOCK).allocate()
+    _, short_kv = prefill_in_chunks(fns, state, short_kv, prompt[:16], table, chunk=32)
+    _, kv = prefill_in_chunks(fns, state, kv, prompt, table, chunk=32)
+    for got, want in zip((*kv.k, *kv.v), (*short_kv.k, *short_kv.v), strict=True):
+        # Pages 5 and 6 hold exactly positions 0-15, as if the 4 extra never came.
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)

@@ -2,7 +2,7 @@
 
 Dimension letters in einsum strings and shape comments:
   B batch   T tokens   D hidden   F ffn   V vocab
-  N query heads   K KV heads   H head_dim
+  N query heads   K KV heads   H head_dim   M = N*H
 
 Every layer keeps its own weight arrays (no stacked [L, ...] parameters): an
 unrolled loop over stacked weights decoded ~4x slower on XLA:CPU (JAX_NOTES).

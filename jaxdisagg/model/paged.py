@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -57,9 +58,10 @@ class KVLayout:
         return (self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
 
     def allocate(self) -> KVPages:
-        zeros = lambda: tuple(jnp.zeros(self.page_shape, self.dtype)  # noqa: E731
-                              for _ in range(self.num_layers))
-        return KVPages(zeros(), zeros())
+        def pages():
+            return tuple(jnp.zeros(self.page_shape, self.dtype) for _ in range(self.num_layers))
+
+        return KVPages(pages(), pages())
 
     def nbytes(self) -> int:
         return 2 * self.num_layers * jnp.dtype(self.dtype).itemsize * math.prod(self.page_shape)
@@ -80,8 +82,14 @@ def _write(pages: jax.Array, rows: jax.Array, new: jax.Array) -> jax.Array:
 
 def _rows(block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
           num_blocks: int, block_size: int) -> jax.Array:
-    """Flat page rows for positions [...] through tables [..., P]; invalid -> out of range."""
-    pages = jnp.take_along_axis(block_tables, positions // block_size, axis=-1, mode="clip")
+    """Flat page rows for positions [...] through tables [..., P]; invalid -> out of range.
+
+    A position past the table's last page is invalid too: it is dropped rather than
+    clipped into (and corrupting) the last page.
+    """
+    page_idx = positions // block_size
+    valid = valid & (page_idx < block_tables.shape[-1])
+    pages = jnp.take_along_axis(block_tables, page_idx, axis=-1, mode="clip")
     rows = pages * block_size + positions % block_size
     return jnp.where(valid, rows, num_blocks * block_size)
 
@@ -103,6 +111,7 @@ def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens:
     start .. start+C; block_table [P] the request's pages, covering positions up to
     start + num_valid. Writes the chunk's K/V, attends to prefix + chunk, and
     returns (fp32 logits [V] of the last real token, updated pages).
+    num_valid must be >= 1 (the caller's scheduler never sends an empty chunk).
     """
     model: Llama = nnx.merge(graphdef, state)
     c = tokens.shape[0]
@@ -151,8 +160,8 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
 class ServingFns(NamedTuple):
     """Jitted entry points with the KV pages donated (updated in place)."""
 
-    prefill: callable
-    decode: callable
+    prefill: Callable
+    decode: Callable
 
 
 def jit_serving_fns(graphdef: nnx.GraphDef, backend: str = "reference") -> ServingFns:
