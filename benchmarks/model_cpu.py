@@ -135,7 +135,7 @@ def hf(model, repeats: int) -> dict | None:
 
         def gen(b):
             batch = prompt.repeat(b, 1)
-            kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, min_new_tokens=new)
+            kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)  # no early stop
             full = timed(lambda: hf_model.generate(batch, max_new_tokens=new, **kw), 2)
             first = timed(lambda: hf_model.generate(batch, max_new_tokens=1, **kw), 2)
             return (full - first) / (new - 1)  # per decode step, prefill excluded
