@@ -102,6 +102,29 @@ def _join_kv(caches) -> KVPages:
     return KVPages(tuple(c[0] for c in caches), tuple(c[1] for c in caches))
 
 
+def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, backend):
+    """Layers lo .. lo+len(caches) of one prefill chunk over x [1, C, D]."""
+    c = x.shape[1]
+    nb, bs = caches[0][0].shape[:2]
+    positions = start + jnp.arange(c, dtype=jnp.int32)
+    rows = _rows(block_table, positions, jnp.arange(c) < num_valid, nb, bs)
+    scale = model.config.head_dim ** -0.5
+
+    def attend(q, k, v, cache):
+        k_pages, v_pages = _write(cache[0], rows, k[0]), _write(cache[1], rows, v[0])
+        out = prefill_attention(q[0], k_pages, v_pages, block_table, start, num_valid,
+                                scale=scale, backend=backend)
+        return out[None], (k_pages, v_pages)
+
+    return model.run_layers(x, positions[None], caches, attend,
+                            layers=range(lo, lo + len(caches)))
+
+
+def _last_logits(model: Llama, x, num_valid):
+    last = jax.lax.dynamic_index_in_dim(x[0], num_valid - 1, axis=0, keepdims=False)
+    return model.logits(last)
+
+
 def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                   start: jax.Array, num_valid: jax.Array, block_table: jax.Array, *,
                   backend: str = "reference") -> tuple[jax.Array, KVPages]:
@@ -114,22 +137,27 @@ def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens:
     num_valid must be >= 1 (the caller's scheduler never sends an empty chunk).
     """
     model: Llama = nnx.merge(graphdef, state)
-    c = tokens.shape[0]
-    nb, bs = kv.k[0].shape[:2]
-    positions = start + jnp.arange(c, dtype=jnp.int32)
-    rows = _rows(block_table, positions, jnp.arange(c) < num_valid, nb, bs)
-    scale = model.config.head_dim ** -0.5
+    x, caches = _prefill_layers(model, model.embed(tokens[None]), _split_kv(kv, 0, len(kv.k)),
+                                0, start, num_valid, block_table, backend)
+    return _last_logits(model, x, num_valid), _join_kv(caches)
 
-    def attend(q, k, v, cache):
-        k_pages, v_pages = _write(cache[0], rows, k[0]), _write(cache[1], rows, v[0])
-        out = prefill_attention(q[0], k_pages, v_pages, block_table, start, num_valid,
-                                scale=scale, backend=backend)
-        return out[None], (k_pages, v_pages)
 
-    x, caches = model.run_layers(model.embed(tokens[None]), positions[None],
-                                 _split_kv(kv, 0, len(kv.k)), attend)
-    last = jax.lax.dynamic_index_in_dim(x[0], num_valid - 1, axis=0, keepdims=False)
-    return model.logits(last), _join_kv(caches)
+def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPages,
+                        inputs: jax.Array, start: jax.Array, num_valid: jax.Array,
+                        block_table: jax.Array, *, lo: int, backend: str = "reference"):
+    """Layers lo .. lo+len(kv_group.k) of a prefill chunk, for layer-wise KV streaming.
+
+    inputs are the chunk's tokens [C] when lo == 0, else the hidden states [1, C, D]
+    the previous group returned. Returns (hidden states, or the last real token's
+    logits after the final layer; the group's updated pages). Running every group
+    in order equals `prefill_chunk`.
+    """
+    model: Llama = nnx.merge(graphdef, state)
+    x = model.embed(inputs[None]) if lo == 0 else inputs
+    x, caches = _prefill_layers(model, x, _split_kv(kv_group, 0, len(kv_group.k)), lo, start,
+                                num_valid, block_table, backend)
+    out = _last_logits(model, x, num_valid) if lo + len(caches) == len(model.layers) else x
+    return out, _join_kv(caches)
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,

@@ -1,0 +1,241 @@
+"""Deployment configuration: YAML -> typed dataclasses, validated before anything starts.
+
+Every error names the field path (`prefill.devices`) and says how to fix it.
+Structural checks (types, unknown keys, positive sizes) need nothing else;
+`validate_deployment` adds the checks that need the model and the devices present
+(disjoint device sets, indices in range, `tp` dividing the query heads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A deployment config that cannot run; the message starts with the field path."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    # A preset name (random weights) or a checkpoint directory (HF or Orbax).
+    name: str = "tiny"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool: `instances` replicas, each on `tp` devices (instances * tp devices in all)."""
+
+    # Device indices, or a count taken from the first devices no earlier pool uses.
+    devices: list[int] | int = 1
+    tp: int = 1
+    instances: int = 1
+    num_blocks: int = 256
+    block_size: int = 16
+    chunk_size: int = 64  # prefill tokens per program call
+    max_slots: int = 8  # decode batch slots
+    max_pages_per_request: int = 64  # block-table width: longest request = this * block_size
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    kind: Literal["in_process", "cross_process"] = "in_process"
+    layer_streaming: bool = True
+    layer_group_size: int = 1
+    pull_timeout_s: float = 30.0
+    lease_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class DeploymentConfig:
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    model: ModelSpec = field(default_factory=ModelSpec)
+    prefill: PoolConfig | None = None
+    decode: PoolConfig | None = None
+    colocated: PoolConfig | None = None
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+
+    def pools(self) -> dict[str, PoolConfig]:
+        names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
+        return {n: getattr(self, n) for n in names}
+
+
+_POSITIVE = {"tp", "instances", "num_blocks", "block_size", "chunk_size", "max_slots",
+             "max_pages_per_request", "layer_group_size", "pull_timeout_s", "lease_s"}
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, path: str):
+    """Checks value against a dataclass field type, recursing into nested configs."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None and len(options) < len(typing.get_args(tp)):
+            return None
+        if len(options) == 1:  # Optional[X]: X's own error is the precise one
+            return _coerce(value, options[0], path)
+        for option in options:
+            try:
+                return _coerce(value, option, path)
+            except ConfigError:
+                pass
+        names = " | ".join(_type_name(a) for a in options)
+        raise ConfigError(f"{path}: expected {names}, got {type(value).__name__} {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{path}: must be one of {_type_name(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, path)
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got "
+                          f"{type(value).__name__} {value!r}")
+    return value
+
+
+def _from_dict(cls, data, path: str):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or 'config'}: expected a mapping of "
+                          f"{', '.join(f.name for f in dataclasses.fields(cls))}, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{path}.{key}" if path else str(key)
+        if key not in hints:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"valid keys: {', '.join(names)}"
+            raise ConfigError(f"{where}: unknown key; {hint}")
+        kwargs[key] = _coerce(value, hints[key], where)
+        if key in _POSITIVE and kwargs[key] <= 0:
+            raise ConfigError(f"{where}: must be positive, got {kwargs[key]!r}")
+    return cls(**kwargs)
+
+
+def parse_config(data: dict) -> DeploymentConfig:
+    cfg = _from_dict(DeploymentConfig, data, "")
+    needed = cfg.pools()
+    for name, pool in needed.items():
+        if pool is None:
+            raise ConfigError(f"{name}: missing; mode {cfg.mode!r} needs the pools "
+                              f"{', '.join(needed)}")
+        if isinstance(pool.devices, int) and pool.devices <= 0:
+            raise ConfigError(f"{name}.devices: a device count must be positive, "
+                              f"got {pool.devices}")
+    for name in ("prefill", "decode", "colocated"):
+        if name not in needed and getattr(cfg, name) is not None:
+            raise ConfigError(f"{name}: not used in mode {cfg.mode!r}; remove it or set "
+                              f"mode to {'colocated' if name == 'colocated' else 'disaggregated'}")
+    if cfg.mode == "disaggregated" and cfg.prefill.block_size != cfg.decode.block_size:
+        raise ConfigError(f"prefill.block_size: {cfg.prefill.block_size} differs from "
+                          f"decode.block_size {cfg.decode.block_size}; KV moves page by page, "
+                          "so both pools must use the same block size")
+    return cfg
+
+
+def load_config(path: str | Path) -> DeploymentConfig:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from None
+    try:
+        return parse_config(data or {})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
+# ------------------------------------------------------------------ placement
+
+
+@dataclass(frozen=True)
+class PoolPlacement:
+    """Where one pool runs: device indices per instance."""
+
+    name: str
+    tp: int
+    instances: tuple[tuple[int, ...], ...]
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(d for inst in self.instances for d in inst)
+
+
+def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
+                num_kv_heads: int) -> dict[str, PoolPlacement]:
+    """Resolves device lists and checks them against the machine and the model.
+
+    With cross-process transfer each pool runs in its own process and its device
+    indices are that process's own, so pools are not checked against each other.
+    """
+    placements: dict[str, PoolPlacement] = {}
+    shared = cfg.transfer.kind == "in_process"
+    used: dict[int, str] = {}
+    explicit = {d: n for n, p in cfg.pools().items() if isinstance(p.devices, list)
+                for d in p.devices} if shared else {}
+    for name, pool in cfg.pools().items():
+        if not shared:
+            used = {}
+        want = pool.tp * pool.instances
+        if isinstance(pool.devices, int):
+            free = [d for d in range(num_devices) if d not in used and d not in explicit]
+            if pool.devices > len(free):
+                raise ConfigError(f"{name}.devices: asks for {pool.devices} devices but only "
+                                  f"{len(free)} of the {num_devices} present are free")
+            devices = free[: pool.devices]
+        else:
+            devices = pool.devices
+            if len(set(devices)) != len(devices):
+                raise ConfigError(f"{name}.devices: lists a device twice: {devices}")
+            beyond = [d for d in devices if not 0 <= d < num_devices]
+            if beyond:
+                raise ConfigError(f"{name}.devices: indices {beyond} are beyond the "
+                                  f"{num_devices} devices present (0-{num_devices - 1})")
+        for d in devices:
+            if d in used:
+                raise ConfigError(f"{name}.devices: device {d} is also in {used[d]}.devices; "
+                                  "pools must use disjoint devices (remove it from one)")
+            used[d] = name
+        if len(devices) != want:
+            raise ConfigError(f"{name}.devices: {len(devices)} devices given, but tp "
+                              f"({pool.tp}) x instances ({pool.instances}) = {want}; "
+                              "make them agree")
+        if num_heads % pool.tp:
+            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
+                              f"{num_heads} query heads; use a divisor of {num_heads}")
+        if pool.tp > num_kv_heads and pool.tp % num_kv_heads:
+            raise ConfigError(f"{name}.tp: {pool.tp} exceeds the model's {num_kv_heads} KV "
+                              f"heads and is not a multiple of it, so KV heads cannot be "
+                              "replicated evenly; use a divisor or a multiple of "
+                              f"{num_kv_heads}")
+        if num_kv_heads > pool.tp and num_kv_heads % pool.tp:
+            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
+                              f"{num_kv_heads} KV heads")
+        instances = tuple(tuple(devices[i * pool.tp:(i + 1) * pool.tp])
+                          for i in range(pool.instances))
+        placements[name] = PoolPlacement(name, pool.tp, instances)
+    return placements

@@ -1,0 +1,136 @@
+"""A deployment built from a config: pools of instances on their devices, and the KV path.
+
+`Deployment.build` validates everything before it allocates anything, then puts
+each pool instance on its own sub-mesh with its own copy of the weights, and (for
+in-process disaggregation) one transfer per prefill/decode instance pair.
+`prefill_request` is the prefill side of one request: chunked prefill, with the
+request's KV streamed to the decode devices layer group by layer group.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxdisagg.mesh.config import ConfigError, DeploymentConfig, load_config, place_pools
+from jaxdisagg.mesh.pool import PoolInstance
+from jaxdisagg.mesh.transfer import InFlightKV, InProcessTransfer, TransferStats
+from jaxdisagg.model.llama import Llama
+from jaxdisagg.model.tokenizer import Tokenizer
+from jaxdisagg.model.weights import load_model
+
+
+@dataclass
+class Deployment:
+    config: DeploymentConfig
+    model: Llama
+    tokenizer: Tokenizer | None
+    pools: dict[str, list[PoolInstance]]
+    transfers: dict[tuple[int, int], InProcessTransfer]  # (prefill i, decode j) -> transfer
+
+    @classmethod
+    def build(cls, config: DeploymentConfig | str, *, warmup: bool = True,
+              progress: bool = False, devices=None) -> Deployment:
+        cfg = load_config(config) if isinstance(config, str) else config
+        devices = jax.devices() if devices is None else devices
+        if cfg.transfer.kind != "in_process":
+            raise ConfigError("transfer.kind: 'cross_process' runs each pool in its own "
+                              "process; build those pools with Deployment.build_pool")
+        model, tokenizer = load_model(cfg.model.name, jnp.dtype(cfg.model.dtype),
+                                      seed=cfg.model.seed)
+        placements = place_pools(cfg, len(devices), model.config.num_heads,
+                                 model.config.num_kv_heads)
+        group = cfg.transfer.layer_group_size if cfg.transfer.layer_streaming else None
+        pools = {
+            name: [PoolInstance(name, model, inst, cfg.pools()[name],
+                                backend=cfg.model.attention_backend,
+                                layer_group_size=group, devices=devices)
+                   for inst in placements[name].instances]
+            for name in placements}
+        transfers = {}
+        if cfg.mode == "disaggregated":
+            transfers = {(i, j): InProcessTransfer(p, d)
+                         for i, p in enumerate(pools["prefill"])
+                         for j, d in enumerate(pools["decode"])}
+        dep = cls(cfg, model, tokenizer, pools, transfers)
+        if warmup:
+            dep.warmup(progress)
+        return dep
+
+    def warmup(self, progress: bool = False) -> None:
+        """Compiles every program serving will use; afterwards nothing compiles."""
+        jobs = [(f"{inst.name}[{i}]", inst) for name, insts in self.pools.items()
+                for i, inst in enumerate(insts)]
+        jobs += [(f"transfer {i}->{j}", t) for (i, j), t in self.transfers.items()]
+        bar = tqdm(jobs, desc="compiling", unit="program set", disable=not progress)
+        for label, job in bar:
+            bar.set_postfix_str(label)
+            if isinstance(job, PoolInstance):
+                job.warmup(prefill=job.name != "decode", decode=job.name != "prefill")
+            else:
+                job.warmup()
+
+
+def prefill_request(inst: PoolInstance, prompt: Sequence[int], src_blocks: Sequence[int],
+                    transfer: InProcessTransfer | None = None,
+                    layer_streaming: bool = True) -> tuple[jax.Array, list[InFlightKV], float]:
+    """Chunked prefill of one prompt into `src_blocks`; returns (logits of the last token,
+    KV parts in flight to the decode devices, dispatch time of the first part).
+
+    With layer streaming the last chunk runs layer group by layer group and each
+    group's pages start moving as soon as that group is dispatched, so the copy of
+    early layers overlaps the compute of later ones. Without it, all pages move
+    after the last chunk. Nothing here blocks.
+    """
+    c, p = inst.pool.chunk_size, inst.max_pages
+    bs = inst.layout.block_size
+    if not 0 < len(prompt) <= p * bs:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit 1..{p * bs}")
+    if len(src_blocks) < -(-len(prompt) // bs):
+        raise ValueError(f"{len(src_blocks)} blocks cannot hold {len(prompt)} tokens")
+    table = np.zeros(p, np.int32)
+    table[:len(src_blocks)] = src_blocks
+    parts: list[InFlightKV] = []
+    first = None
+    starts = list(range(0, len(prompt), c))
+    for start in starts:
+        tokens = np.zeros(c, np.int32)
+        piece = prompt[start:start + c]
+        tokens[:len(piece)] = piece
+        last = start == starts[-1]
+        if last and transfer is not None and layer_streaming:
+            out = tokens
+            for i, group in enumerate(inst.groups):
+                out = inst.prefill_group(i, out, start, len(piece), table)
+                parts.append(transfer.extract(group, src_blocks))
+                first = parts[0].dispatched_at
+            logits = out
+        else:
+            logits = inst.prefill(tokens, start, len(piece), table)
+    if transfer is not None and not parts:
+        parts.append(transfer.extract(range(inst.config.num_layers), src_blocks))
+        first = parts[0].dispatched_at
+    return logits, parts, first
+
+
+def finish_transfer(transfer: InProcessTransfer, logits: jax.Array, parts: list[InFlightKV],
+                    dst_blocks: Sequence[int], first_dispatch: float) -> TransferStats:
+    """Inserts the parts into the decode pool and measures the transfer.
+
+    exposed_s runs from the end of prefill compute (the logits ready) to the KV
+    ready in the decode pool: the part of the transfer prefill did not hide.
+    """
+    jax.block_until_ready(logits)
+    compute_end = time.perf_counter()
+    transfer.insert(parts, dst_blocks)
+    jax.block_until_ready(transfer.dst.kv)
+    ready = time.perf_counter()
+    return TransferStats(bytes_moved=sum(p.nbytes for p in parts),
+                         transfer_s=ready - first_dispatch,
+                         exposed_s=max(0.0, ready - compute_end))

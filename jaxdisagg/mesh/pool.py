@@ -1,0 +1,147 @@
+"""One pool instance: its own mesh, its own sharded weights and KV pages, its programs.
+
+The prefill and decode programs are jitted separately with explicit in/out
+shardings on the instance's mesh and the KV pages donated. Every shape they will
+see is fixed by the pool config (chunk size, slots, block-table width), so
+`warmup` compiles them all before serving and the serving loop never compiles.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxdisagg.mesh.config import PoolConfig
+from jaxdisagg.mesh.sharding import (
+    kv_replication,
+    kv_sharding,
+    make_mesh,
+    replicate_kv_heads,
+    replicated,
+    state_shardings,
+)
+from jaxdisagg.model.llama import Llama
+from jaxdisagg.model.paged import (
+    KVLayout,
+    KVPages,
+    decode_step,
+    prefill_chunk,
+    prefill_chunk_group,
+)
+from jaxdisagg.pallas.attention import resolve_backend
+
+
+def layer_groups(num_layers: int, group_size: int) -> list[range]:
+    return [range(lo, min(lo + group_size, num_layers))
+            for lo in range(0, num_layers, group_size)]
+
+
+class PoolInstance:
+    """A model replica on `tp` devices with its paged KV cache.
+
+    `self.kv` always holds the current pages: every program call donates them and
+    stores the result back, so only the thread that owns the instance may call it.
+    """
+
+    def __init__(self, name: str, model: Llama, device_indices: Sequence[int],
+                 pool: PoolConfig, *, backend: str = "auto", layer_group_size: int | None = None,
+                 devices=None):
+        self.name = name
+        self.pool = pool
+        self.mesh = make_mesh(device_indices, devices)
+        self.kv_replication = kv_replication(model.config.num_kv_heads, pool.tp)
+        model = replicate_kv_heads(model, self.kv_replication)
+        self.config = model.config
+        self.dtype = model.dtype
+        self.backend = resolve_backend(backend)
+        graphdef, state = nnx.split(model)
+        self._state_sharding = state_shardings(state, self.mesh)
+        self.state = jax.device_put(state, self._state_sharding)
+        self.layout = KVLayout.for_model(self.config, pool.num_blocks, pool.block_size,
+                                         dtype=self.dtype)
+        self.page_sharding = kv_sharding(self.mesh)
+        self.kv = self._allocate()
+
+        rep = replicated(self.mesh)
+        kv_sh = self._kv_shardings(self.config.num_layers)
+        self._prefill = jax.jit(
+            functools.partial(prefill_chunk, graphdef, backend=self.backend),
+            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
+            out_shardings=(rep, kv_sh), donate_argnums=(1,))
+        self._decode = jax.jit(
+            functools.partial(decode_step, graphdef, backend=self.backend),
+            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
+            out_shardings=(rep, kv_sh), donate_argnums=(1,))
+        self.groups = layer_groups(self.config.num_layers,
+                                   layer_group_size or self.config.num_layers)
+        self._group_fns = [
+            jax.jit(functools.partial(prefill_chunk_group, graphdef, lo=g.start,
+                                      backend=self.backend),
+                    in_shardings=(self._state_sharding, self._kv_shardings(len(g)), rep, rep,
+                                  rep, rep),
+                    out_shardings=(rep, self._kv_shardings(len(g))), donate_argnums=(1,))
+            for g in self.groups]
+
+    def _kv_shardings(self, num_layers: int) -> KVPages:
+        return KVPages((self.page_sharding,) * num_layers, (self.page_sharding,) * num_layers)
+
+    def _allocate(self) -> KVPages:
+        return jax.jit(self.layout.allocate,
+                       out_shardings=self._kv_shardings(self.config.num_layers))()
+
+    @property
+    def devices(self) -> list:
+        return list(self.mesh.devices.flat)
+
+    @property
+    def max_pages(self) -> int:
+        return self.pool.max_pages_per_request
+
+    # ---------------------------------------------------------------- programs
+
+    def prefill(self, tokens: np.ndarray, start: int, num_valid: int,
+                block_table: np.ndarray) -> jax.Array:
+        """One chunk (tokens padded to chunk_size) -> fp32 logits [V] of its last real token."""
+        logits, self.kv = self._prefill(self.state, self.kv, tokens, np.int32(start),
+                                        np.int32(num_valid), block_table)
+        return logits
+
+    def prefill_group(self, index: int, inputs, start: int, num_valid: int,
+                      block_table: np.ndarray):
+        """Layer group `index` of a chunk: hidden states out, or logits after the last group."""
+        g = self.groups[index]
+        group_kv = KVPages(self.kv.k[g.start:g.stop], self.kv.v[g.start:g.stop])
+        out, group_kv = self._group_fns[index](self.state, group_kv, inputs, np.int32(start),
+                                               np.int32(num_valid), block_table)
+        self.kv = KVPages(self.kv.k[:g.start] + group_kv.k + self.kv.k[g.stop:],
+                          self.kv.v[:g.start] + group_kv.v + self.kv.v[g.stop:])
+        return out
+
+    def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
+               seq_lens: np.ndarray) -> jax.Array:
+        """One step for max_slots slots -> fp32 logits [B, V]."""
+        logits, self.kv = self._decode(self.state, self.kv, tokens, positions, block_tables,
+                                       seq_lens)
+        return logits
+
+    # ---------------------------------------------------------------- warm-up
+
+    def warmup(self, prefill: bool = True, decode: bool = True) -> None:
+        """Compiles every program this instance serves with (on throwaway pages)."""
+        c, p, b = self.pool.chunk_size, self.max_pages, self.pool.max_slots
+        table = np.full(p, self.layout.num_blocks - 1, np.int32)
+        if prefill:
+            tokens = np.zeros(c, np.int32)
+            jax.block_until_ready(self.prefill(tokens, 0, 1, table))
+            out = tokens
+            for i in range(len(self.groups)):
+                out = self.prefill_group(i, out, 0, 1, table)
+            jax.block_until_ready(out)
+        if decode:
+            zeros = np.zeros(b, np.int32)
+            jax.block_until_ready(self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros))
+        self.kv = self._allocate()  # warm-up wrote into the last block: start clean
