@@ -1,0 +1,157 @@
+"""KV moves between disjoint sub-meshes bit for bit, asynchronously, without compiling."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxdisagg.mesh import Deployment, finish_transfer, prefill_request
+from jaxdisagg.mesh.config import PoolConfig
+from jaxdisagg.mesh.pool import PoolInstance
+from jaxdisagg.mesh.transfer import InProcessTransfer
+from jaxdisagg.model import ReferenceGenerator, SamplingParams
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+PROMPT = list(np.random.default_rng(0).integers(0, 256, 45))  # 3 chunks of 16, 6 pages of 8
+
+
+@pytest.fixture(scope="module")
+def deployments():
+    """Each config built (and warmed up) once for the module."""
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = Deployment.build(str(CONFIGS / name))
+        return built[name]
+
+    return get
+
+
+def make_pool(model, devices, tp, group=2):
+    cfg = PoolConfig(devices=devices, tp=tp, num_blocks=24, block_size=8, chunk_size=16,
+                     max_slots=3, max_pages_per_request=8)
+    return PoolInstance("pool", model, devices, cfg, layer_group_size=group)
+
+
+def original_heads(inst, pages):
+    """[blocks, bs, K_expanded, H] -> the first copy of each original KV head."""
+    return np.asarray(pages)[:, :, ::inst.kv_replication]
+
+
+def decode_greedy(inst, first_token, prompt_len, blocks, steps):
+    """Greedy decode of one request in slot 1 of the instance (slots 0 and 2 empty)."""
+    b, p = inst.pool.max_slots, inst.max_pages
+    tables = np.zeros((b, p), np.int32)
+    tables[1, :len(blocks)] = blocks
+    out = [first_token]
+    for pos in range(prompt_len, prompt_len + steps - 1):
+        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
+        tokens[1], positions[1], lens[1] = out[-1], pos, pos + 1
+        logits = inst.decode(tokens, positions, tables, lens)
+        out.append(int(np.argmax(np.asarray(logits)[1])))
+    return out
+
+
+@pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])
+@pytest.mark.parametrize("src_tp,dst_tp", [(4, 4), (4, 2), (2, 4), (1, 4)])
+def test_kv_arrives_bit_for_bit(tiny_model, src_tp, dst_tp, streaming):
+    src = make_pool(tiny_model, list(range(src_tp)), src_tp)
+    dst = make_pool(tiny_model, list(range(4, 4 + dst_tp)), dst_tp)
+    xfer = InProcessTransfer(src, dst)
+    src_blocks, dst_blocks = [7, 2, 19, 4, 11, 0], [3, 22, 5, 14, 8, 1]
+    logits, parts, first = prefill_request(src, PROMPT, src_blocks, xfer, streaming)
+    assert len(parts) == (len(src.groups) if streaming else 1)
+    stats = finish_transfer(xfer, logits, parts, dst_blocks, first)
+    for layer in range(tiny_model.config.num_layers):
+        for s, d in ((src.kv.k[layer], dst.kv.k[layer]), (src.kv.v[layer], dst.kv.v[layer])):
+            want = original_heads(src, s)[src_blocks]
+            assert np.array_equal(original_heads(dst, d)[dst_blocks], want)
+            # Replicated copies on the decode side hold the same bits as their original.
+            got = np.asarray(d)[dst_blocks]
+            r = dst.kv_replication
+            assert np.array_equal(got, np.repeat(got[:, :, ::r], r, axis=2))
+            untouched = [b for b in range(24) if b not in dst_blocks]
+            assert not np.asarray(d)[untouched].any()
+    cfg = tiny_model.config
+    assert stats.bytes_moved == 2 * cfg.num_layers * 6 * 8 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert stats.transfer_s >= stats.exposed_s >= 0
+
+
+@pytest.mark.parametrize("name", ["cpu-1p1d.yaml", "cpu-hetero.yaml"])
+def test_request_prefilled_on_one_pool_decodes_on_the_other(deployments, name):
+    dep = deployments(name)
+    prefill, decode = dep.pools["prefill"][0], dep.pools["decode"][0]
+    assert not set(prefill.devices) & set(decode.devices)
+    steps = 8
+    want = ReferenceGenerator(dep.model).generate([PROMPT], SamplingParams(max_tokens=steps),
+                                                  stop_token_ids=[])[0]
+    blocks = [3, 1, 2, 0]  # 45 tokens + 8 new fit in 4 pages of 16
+    logits, parts, first = prefill_request(prefill, PROMPT, blocks, dep.transfers[(0, 0)],
+                                           dep.config.transfer.layer_streaming)
+    finish_transfer(dep.transfers[(0, 0)], logits, parts, [9, 4, 7, 5], first)
+    got = decode_greedy(decode, int(np.argmax(np.asarray(logits))), len(PROMPT), [9, 4, 7, 5],
+                        steps)
+    assert got == want
+
+
+def test_colocated_pool_prefills_and_decodes(deployments):
+    dep = deployments("cpu-colocated.yaml")
+    assert len(dep.pools["colocated"]) == 2 and not dep.transfers
+    inst = dep.pools["colocated"][1]
+    want = ReferenceGenerator(dep.model).generate([PROMPT], SamplingParams(max_tokens=6),
+                                                  stop_token_ids=[])[0]
+    logits, _, _ = prefill_request(inst, PROMPT, [5, 6, 7, 8])
+    assert decode_greedy(inst, int(np.argmax(np.asarray(logits))), len(PROMPT), [5, 6, 7, 8],
+                         6) == want
+
+
+def test_no_compilation_after_warmup():
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(kwargs.get("fun_name", "?"))
+
+    dep = Deployment.build(str(CONFIGS / "cpu-hetero.yaml"))  # fresh: nothing served yet
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        xfer = dep.transfers[(0, 0)]
+        prefill, decode = dep.pools["prefill"][0], dep.pools["decode"][0]
+        requests = ((PROMPT, [1, 2, 3]), (PROMPT[:5], [4]), (PROMPT * 3, list(range(5, 14))))
+        for prompt, blocks in requests:
+            logits, parts, first = prefill_request(prefill, prompt, blocks, xfer)
+            finish_transfer(xfer, logits, parts, blocks, first)
+            decode_greedy(decode, int(np.argmax(np.asarray(logits))), len(prompt), blocks, 3)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+def test_extract_does_not_wait_for_the_producer(tiny_model):
+    """The copy is dispatched behind a slow producer instead of stalling on it.
+
+    A synchronous (host) fallback would only return once the producer finished;
+    here the producer is still running when `extract` returns.
+    """
+    src = make_pool(tiny_model, [0, 1, 2, 3], 4)
+    dst = make_pool(tiny_model, [4, 5], 2)
+    xfer = InProcessTransfer(src, dst)
+    xfer.extract(range(0, 2), [1, 2])  # compile outside the timed window
+
+    @jax.jit
+    def slow(pages):
+        def body(_, m):
+            return jnp.tanh(m @ m)
+        m = jax.lax.fori_loop(0, 300, body, jnp.full((384, 384), 1e-3, jnp.float32))
+        return jax.tree_util.tree_map(lambda p: p + 0 * m[0, 0], pages)
+
+    src.kv = slow(src.kv)
+    part = xfer.extract(range(0, 2), [1, 2])
+    assert not src.kv.k[0].is_ready(), "extract blocked on the producer: synchronous copy"
+    xfer.insert([part], [3, 4])
+    jax.block_until_ready(dst.kv)
+    assert np.array_equal(original_heads(dst, dst.kv.k[0])[[3, 4]],
+                          original_heads(src, src.kv.k[0])[[1, 2]])
