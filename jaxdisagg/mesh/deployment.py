@@ -123,12 +123,14 @@ def finish_transfer(transfer: InProcessTransfer, logits: jax.Array, parts: list[
                     dst_blocks: Sequence[int], first_dispatch: float) -> TransferStats:
     """Inserts the parts into the decode pool and measures the transfer.
 
+    The inserts are dispatched before waiting for anything, so with layer
+    streaming the scatter of early layers runs while prefill still computes.
     exposed_s runs from the end of prefill compute (the logits ready) to the KV
     ready in the decode pool: the part of the transfer prefill did not hide.
     """
+    transfer.insert(parts, dst_blocks)
     jax.block_until_ready(logits)
     compute_end = time.perf_counter()
-    transfer.insert(parts, dst_blocks)
     jax.block_until_ready(transfer.dst.kv)
     ready = time.perf_counter()
     return TransferStats(bytes_moved=sum(p.nbytes for p in parts),
