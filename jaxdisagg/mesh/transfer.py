@@ -65,48 +65,22 @@ def _heads(index, num_heads: int) -> range:
     return range(*index[HEAD_AXIS].indices(num_heads))
 
 
-def _head_plan(src_shards, src_heads: int, dst_index_map, dst_heads: int, r_src: int,
-               r_dst: int):
-    """For each destination device: [(source shard, head start, head stop)] to concatenate.
+@dataclass(frozen=True)
+class Piece:
+    """A single-device slab of staged pages and the original KV head of each of its heads."""
 
-    Heads are expanded KV heads; expanded head e of a side with replication r is a
-    copy of original head e // r. Source pieces are taken from the first copy.
-    """
-    where = {}  # original head -> (source shard number, local head index)
-    for j, shard in enumerate(src_shards):
-        for local, e in enumerate(_heads(shard.index, src_heads)):
-            where.setdefault(e // r_src, (j, local))
-    plan = {}
-    for device, index in dst_index_map.items():
-        runs: list[list[int]] = []
-        for e in _heads(index, dst_heads):
-            j, local = where[e // r_dst]
-            if runs and runs[-1][0] == j and runs[-1][2] == local:
-                runs[-1][2] += 1
-            else:
-                runs.append([j, local, local + 1])
-        plan[device] = [tuple(r) for r in runs]
-    return plan
+    data: jax.Array  # [2, layers, bucket, block_size, len(heads), H] on one device
+    heads: tuple[int, ...]
 
 
-class InProcessTransfer:
-    """KV from one prefill instance to one decode instance in the same process."""
+class KVSource:
+    """Prefill side: gathers a request's pages of some layers into one staged array."""
 
-    def __init__(self, src: PoolInstance, dst: PoolInstance):
-        if src.layout.block_size != dst.layout.block_size:
-            raise ValueError(f"block sizes differ: prefill {src.layout.block_size}, "
-                             f"decode {dst.layout.block_size}")
-        if src.config.replace(num_kv_heads=1) != dst.config.replace(num_kv_heads=1):
-            raise ValueError("prefill and decode instances serve different models")
-        self.src, self.dst = src, dst
-        self.num_kv_heads = src.config.num_kv_heads // src.kv_replication
-        self._stage_sharding = NamedSharding(src.mesh, PartitionSpec(*[None] * HEAD_AXIS, TP))
-        self._arrive_sharding = NamedSharding(dst.mesh, PartitionSpec(*[None] * HEAD_AXIS, TP))
+    def __init__(self, inst: PoolInstance):
+        self.inst = inst
+        self.num_kv_heads = inst.config.num_kv_heads // inst.kv_replication
+        self._sharding = NamedSharding(inst.mesh, PartitionSpec(*[None] * HEAD_AXIS, TP))
         self._gather = {}
-        self._scatter = {}
-        self._plans = {}
-
-    # ------------------------------------------------------------ programs
 
     def _gather_fn(self, layers: range, bucket: int):
         key = (layers.start, layers.stop, bucket)
@@ -116,10 +90,88 @@ class InProcessTransfer:
                 return jnp.stack([jnp.stack([take(p) for p in k_pages]),
                                   jnp.stack([take(p) for p in v_pages])])
 
-            kv_sh = (self.src.page_sharding,) * len(layers)
-            self._gather[key] = jax.jit(
-                gather, in_shardings=(kv_sh, kv_sh, None), out_shardings=self._stage_sharding)
+            kv_sh = (self.inst.page_sharding,) * len(layers)
+            self._gather[key] = jax.jit(gather, in_shardings=(kv_sh, kv_sh, None),
+                                        out_shardings=self._sharding)
         return self._gather[key]
+
+    def stage(self, layers: range, src_blocks) -> tuple[jax.Array, int]:
+        """Dispatches the gather; returns (staged [2, L, bucket, bs, K, H], real bytes)."""
+        n = len(src_blocks)
+        bucket = page_bucket(n, self.inst.max_pages)
+        ids = np.zeros(bucket, np.int32)
+        ids[:n] = src_blocks
+        kv = self.inst.kv
+        staged = self._gather_fn(layers, bucket)(kv.k[layers.start:layers.stop],
+                                                 kv.v[layers.start:layers.stop], ids)
+        layout = self.inst.layout
+        per_page = (layout.block_size * self.num_kv_heads * layout.head_dim
+                    * np.dtype(layout.dtype).itemsize)
+        return staged, 2 * len(layers) * n * per_page
+
+    def pieces(self, staged: jax.Array) -> list[Piece]:
+        """One piece per shard, labelled with original heads (first copies only)."""
+        r = self.inst.kv_replication
+        total = staged.shape[HEAD_AXIS]
+        out, seen = [], set()
+        for shard in sorted(staged.addressable_shards,
+                            key=lambda sh: _heads(sh.index, total).start):
+            heads = tuple(e // r for e in _heads(shard.index, total))
+            if heads[0] not in seen:  # a replicated copy of heads already offered
+                seen.update(heads)
+                out.append(Piece(shard.data, heads))
+        return out
+
+
+class KVSink:
+    """Decode side: assembles pieces into the pool's sharding and scatters them in."""
+
+    def __init__(self, inst: PoolInstance):
+        self.inst = inst
+        self._sharding = NamedSharding(inst.mesh, PartitionSpec(*[None] * HEAD_AXIS, TP))
+        self._scatter = {}
+        self._plans = {}
+
+    def _plan(self, pieces: list[Piece], shape: tuple[int, ...]):
+        """For each of our devices: [(piece, local start, local stop)] to concatenate."""
+        key = (tuple(p.heads for p in pieces), shape)
+        if key not in self._plans:
+            where = {}
+            for j, piece in enumerate(pieces):
+                for local, head in enumerate(piece.heads):
+                    where.setdefault(head, (j, local))
+            r = self.inst.kv_replication
+            plan = {}
+            for device, index in self._sharding.addressable_devices_indices_map(shape).items():
+                runs: list[list[int]] = []
+                for e in _heads(index, shape[HEAD_AXIS]):
+                    if e // r not in where:
+                        raise ValueError(f"no piece carries KV head {e // r}")
+                    j, local = where[e // r]
+                    if runs and runs[-1][0] == j and runs[-1][2] == local:
+                        runs[-1][2] += 1
+                    else:
+                        runs.append([j, local, local + 1])
+                plan[device] = [tuple(run) for run in runs]
+            self._plans[key] = plan
+        return self._plans[key]
+
+    def assemble(self, pieces: list[Piece]) -> jax.Array:
+        """Shard-by-shard: each of our shards built on its device from pieces (async)."""
+        shape = list(pieces[0].data.shape)
+        shape[HEAD_AXIS] = self.inst.config.num_kv_heads
+        shape = tuple(shape)
+        shards = []
+        for device, runs in self._plan(pieces, shape).items():
+            parts = []
+            for j, a, b in runs:
+                data = pieces[j].data
+                if (a, b) != (0, data.shape[HEAD_AXIS]):
+                    data = jax.lax.slice_in_dim(data, a, b, axis=HEAD_AXIS)
+                parts.append(jax.device_put(data, device))
+            shards.append(parts[0] if len(parts) == 1 else
+                          jnp.concatenate(parts, axis=HEAD_AXIS))
+        return jax.make_array_from_single_device_arrays(shape, self._sharding, shards)
 
     def _scatter_fn(self, layers: range, bucket: int):
         key = (layers.start, layers.stop, bucket)
@@ -129,83 +181,69 @@ class InProcessTransfer:
                 return (tuple(put(p, staged[0, i]) for i, p in enumerate(k_pages)),
                         tuple(put(p, staged[1, i]) for i, p in enumerate(v_pages)))
 
-            kv_sh = (self.dst.page_sharding,) * len(layers)
+            kv_sh = (self.inst.page_sharding,) * len(layers)
             self._scatter[key] = jax.jit(
-                scatter, in_shardings=(kv_sh, kv_sh, self._arrive_sharding, None),
+                scatter, in_shardings=(kv_sh, kv_sh, self._sharding, None),
                 out_shardings=(kv_sh, kv_sh), donate_argnums=(0, 1))
         return self._scatter[key]
 
-    # ------------------------------------------------------------ the copy
-
-    def _move(self, staged: jax.Array) -> jax.Array:
-        """Shard-by-shard copy of the staged pages onto the decode mesh (asynchronous)."""
-        shape = list(staged.shape)
-        shape[HEAD_AXIS] = self.dst.config.num_kv_heads
-        shape = tuple(shape)
-        src_heads = staged.shape[HEAD_AXIS]
-        src_shards = sorted(staged.addressable_shards,
-                            key=lambda s: _heads(s.index, src_heads).start)
-        plan_key = shape
-        if plan_key not in self._plans:
-            index_map = self._arrive_sharding.addressable_devices_indices_map(shape)
-            self._plans[plan_key] = _head_plan(src_shards, src_heads, index_map,
-                                               shape[HEAD_AXIS], self.src.kv_replication,
-                                               self.dst.kv_replication)
-        pieces = []
-        for device, runs in self._plans[plan_key].items():
-            parts = []
-            for j, a, b in runs:
-                data = src_shards[j].data
-                if (a, b) != (0, data.shape[HEAD_AXIS]):
-                    data = jax.lax.slice_in_dim(data, a, b, axis=HEAD_AXIS)
-                parts.append(jax.device_put(data, device))
-            pieces.append(parts[0] if len(parts) == 1 else
-                          jnp.concatenate(parts, axis=HEAD_AXIS))
-        return jax.make_array_from_single_device_arrays(shape, self._arrive_sharding, pieces)
-
-    # ------------------------------------------------------------ the interface
-
-    def extract(self, layers: range, src_blocks) -> InFlightKV:
-        """Starts moving pages `src_blocks` of `layers` from the prefill pool. Never blocks."""
-        n = len(src_blocks)
-        bucket = page_bucket(n, self.src.max_pages)
-        ids = np.zeros(bucket, np.int32)
-        ids[:n] = src_blocks
-        kv = self.src.kv
-        staged = self._gather_fn(layers, bucket)(kv.k[layers.start:layers.stop],
-                                                 kv.v[layers.start:layers.stop], ids)
-        layout = self.src.layout
-        per_page = layout.block_size * self.num_kv_heads * layout.head_dim * np.dtype(
-            layout.dtype).itemsize
-        return InFlightKV(layers, self._move(staged), n, 2 * len(layers) * n * per_page)
-
     def insert(self, parts: list[InFlightKV], dst_blocks) -> None:
-        """Scatters arrived pages into the decode pool at `dst_blocks` (pool donated)."""
-        kv = self.dst.kv
+        """Scatters arrived pages into the pool at `dst_blocks` (pool donated)."""
+        kv = self.inst.kv
         k, v = list(kv.k), list(kv.v)
         for part in parts:
             if part.num_pages != len(dst_blocks):
                 raise ValueError(f"{part.num_pages} pages arrived for {len(dst_blocks)} "
                                  "destination blocks")
             bucket = part.pages.shape[2]
-            ids = np.full(bucket, self.dst.layout.num_blocks, np.int32)  # padding drops
+            ids = np.full(bucket, self.inst.layout.num_blocks, np.int32)  # padding drops
             ids[:len(dst_blocks)] = dst_blocks
             lo, hi = part.layers.start, part.layers.stop
-            new_k, new_v = self._scatter_fn(part.layers, bucket)(tuple(k[lo:hi]),
-                                                                 tuple(v[lo:hi]), part.pages, ids)
-            k[lo:hi], v[lo:hi] = new_k, new_v
-        self.dst.kv = KVPages(tuple(k), tuple(v))
+            k[lo:hi], v[lo:hi] = self._scatter_fn(part.layers, bucket)(
+                tuple(k[lo:hi]), tuple(v[lo:hi]), part.pages, ids)
+        self.inst.kv = KVPages(tuple(k), tuple(v))
+
+
+def check_compatible(src: PoolInstance, dst: PoolInstance) -> None:
+    if src.layout.block_size != dst.layout.block_size:
+        raise ValueError(f"block sizes differ: prefill {src.layout.block_size}, "
+                         f"decode {dst.layout.block_size}")
+    if src.config.replace(num_kv_heads=1) != dst.config.replace(num_kv_heads=1):
+        raise ValueError("prefill and decode instances serve different models")
+
+
+def all_buckets(max_pages: int) -> list[int]:
+    return sorted({page_bucket(n, max_pages) for n in range(1, max_pages + 1)})
+
+
+class InProcessTransfer:
+    """KV from one prefill instance to one decode instance in the same process.
+
+    The interface every transfer offers: `extract` on the prefill side returns a
+    ticket for pages on their way; `insert` on the decode side lands tickets in
+    the pool.
+    """
+
+    def __init__(self, src: PoolInstance, dst: PoolInstance):
+        check_compatible(src, dst)
+        self.src, self.dst = src, dst
+        self.source, self.sink = KVSource(src), KVSink(dst)
+
+    def extract(self, layers: range, src_blocks) -> InFlightKV:
+        """Starts moving pages `src_blocks` of `layers` from the prefill pool. Never blocks."""
+        staged, nbytes = self.source.stage(layers, src_blocks)
+        return InFlightKV(layers, self.sink.assemble(self.source.pieces(staged)),
+                          len(src_blocks), nbytes)
+
+    def insert(self, parts: list[InFlightKV], dst_blocks) -> None:
+        self.sink.insert(parts, dst_blocks)
 
     def warmup(self) -> None:
         """Compiles the gather, copy and scatter programs for every bucket and layer group."""
-        buckets = sorted({page_bucket(n, self.src.max_pages)
-                          for n in range(1, self.src.max_pages + 1)})
         groups = {(g.start, g.stop) for g in self.src.groups} | {(0, self.src.config.num_layers)}
         for lo, hi in sorted(groups):
-            for bucket in buckets:
+            for bucket in all_buckets(self.src.max_pages):
                 blocks = list(range(bucket))
-                part = self.extract(range(lo, hi), blocks)
-                self.insert([part], blocks)
+                self.insert([self.extract(range(lo, hi), blocks)], blocks)
         jax.block_until_ready(self.dst.kv)
         self.dst.kv = self.dst._allocate()
-
