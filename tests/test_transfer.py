@@ -6,10 +6,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kv_util import decode_greedy, make_pool, original_heads
 
 from jaxdisagg.mesh import Deployment, finish_transfer, prefill_request
-from jaxdisagg.mesh.config import PoolConfig
-from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import InProcessTransfer
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 
@@ -28,31 +27,6 @@ def deployments():
         return built[name]
 
     return get
-
-
-def make_pool(model, devices, tp, group=2):
-    cfg = PoolConfig(devices=devices, tp=tp, num_blocks=24, block_size=8, chunk_size=16,
-                     max_slots=3, max_pages_per_request=8)
-    return PoolInstance("pool", model, devices, cfg, layer_group_size=group)
-
-
-def original_heads(inst, pages):
-    """[blocks, bs, K_expanded, H] -> the first copy of each original KV head."""
-    return np.asarray(pages)[:, :, ::inst.kv_replication]
-
-
-def decode_greedy(inst, first_token, prompt_len, blocks, steps):
-    """Greedy decode of one request in slot 1 of the instance (slots 0 and 2 empty)."""
-    b, p = inst.pool.max_slots, inst.max_pages
-    tables = np.zeros((b, p), np.int32)
-    tables[1, :len(blocks)] = blocks
-    out = [first_token]
-    for pos in range(prompt_len, prompt_len + steps - 1):
-        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
-        tokens[1], positions[1], lens[1] = out[-1], pos, pos + 1
-        logits = inst.decode(tokens, positions, tables, lens)
-        out.append(int(np.argmax(np.asarray(logits)[1])))
-    return out
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])

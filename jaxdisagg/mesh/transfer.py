@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
@@ -204,6 +205,20 @@ class KVSink:
         self.inst.kv = KVPages(tuple(k), tuple(v))
 
 
+class KVSendSide(Protocol):
+    """What a prefill worker calls, whichever transfer is configured."""
+
+    def extract(self, layers: range, src_blocks) -> object:
+        """Starts moving the pages of `layers` at `src_blocks`; returns a ticket. Never blocks."""
+
+
+class KVReceiveSide(Protocol):
+    """What a decode worker calls with the tickets the prefill side produced."""
+
+    def insert(self, tickets: list, dst_blocks) -> None:
+        """Lands the tickets' pages in the decode pool at `dst_blocks`."""
+
+
 def check_compatible(src: PoolInstance, dst: PoolInstance) -> None:
     if src.layout.block_size != dst.layout.block_size:
         raise ValueError(f"block sizes differ: prefill {src.layout.block_size}, "
@@ -219,9 +234,10 @@ def all_buckets(max_pages: int) -> list[int]:
 class InProcessTransfer:
     """KV from one prefill instance to one decode instance in the same process.
 
-    The interface every transfer offers: `extract` on the prefill side returns a
-    ticket for pages on their way; `insert` on the decode side lands tickets in
-    the pool.
+    Both sides of the transfer interface in one object: `extract` returns
+    `InFlightKV` tickets (pages already moving), `insert` lands them. The
+    cross-process pair (`xproc.KVSender.extract` -> `KVOffer` tickets sent over the
+    control channel, `xproc.KVReceiver.insert`) has the same two calls.
     """
 
     def __init__(self, src: PoolInstance, dst: PoolInstance):
