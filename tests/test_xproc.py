@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from kv_util import make_pool, pages_digest
 
+from jaxdisagg.mesh.config import ConfigError
 from jaxdisagg.mesh.control import ControlClient
-from jaxdisagg.mesh.deployment import prefill_request
+from jaxdisagg.mesh.deployment import Deployment, prefill_request
 from jaxdisagg.mesh.xproc import KVSender
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 
@@ -28,10 +29,11 @@ PULL_TIMEOUT = 3.0
 
 
 class Peer:
-    def __init__(self, tp):
+    def __init__(self, *args):
         env = {**os.environ, "JAX_PLATFORMS": "cpu"}
         env.pop("XLA_FLAGS", None)
-        self.proc = subprocess.Popen([sys.executable, str(PEER), str(tp), str(PULL_TIMEOUT)],
+        args = [str(a) for a in args] if len(args) != 1 else [str(args[0]), str(PULL_TIMEOUT)]
+        self.proc = subprocess.Popen([sys.executable, str(PEER), *args],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env)
         line = self.proc.stdout.readline()  # bounded: the peer prints or dies
@@ -42,6 +44,10 @@ class Peer:
 
     def call(self, method, payload, timeout=60):
         return self.client.call(method, payload, timeout=timeout)
+
+    def stop(self):
+        self.call("stop", {}, timeout=10)
+        self.proc.wait(timeout=30)
 
     def kill(self):
         self.proc.kill()
@@ -143,3 +149,32 @@ def test_receiver_that_dies_leaves_no_kv_past_the_lease(sender_tp4):
     while sender.held() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert sender.held() == 0
+
+
+def test_two_process_config(tiny_model):
+    """configs/cpu-2proc.yaml: this process is its prefill role, the peer its decode role."""
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "cpu-2proc.yaml")
+    with pytest.raises(ConfigError, match="build each with role="):
+        Deployment.build(config)
+    dep = Deployment.build(config, role="prefill")
+    assert set(dep.pools) == {"prefill"} and not dep.transfers
+    inst = dep.pools["prefill"][0]
+    sender = KVSender(inst, lease_s=dep.config.transfer.lease_s)
+    peer = Peer("--config", config)
+    try:
+        blocks = [4, 9, 1]
+        logits, _, _ = prefill_request(inst, PROMPT, blocks)
+        offer = sender.extract(range(0, 4), blocks, "req-6")
+        got = peer.call("receive", {"offers": [offer.to_json()], "dst_blocks": [2, 3, 5]})
+        assert got["digest"] == pages_digest(inst, blocks)
+        want = ReferenceGenerator(tiny_model).generate([PROMPT], SamplingParams(max_tokens=5),
+                                                       stop_token_ids=[])[0]
+        tokens = peer.call("decode", {"first_token": int(np.argmax(np.asarray(logits))),
+                                      "prompt_len": len(PROMPT), "dst_blocks": [2, 3, 5],
+                                      "steps": 5})["tokens"]
+        assert tokens == want
+        peer.stop()  # graceful: the peer exits on request
+        assert peer.proc.returncode == 0
+    finally:
+        peer.kill()
+        sender.close()

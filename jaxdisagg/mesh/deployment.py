@@ -35,13 +35,21 @@ class Deployment:
     transfers: dict[tuple[int, int], InProcessTransfer]  # (prefill i, decode j) -> transfer
 
     @classmethod
-    def build(cls, config: DeploymentConfig | str, *, warmup: bool = True,
-              progress: bool = False, devices=None) -> Deployment:
+    def build(cls, config: DeploymentConfig | str, *, role: str | None = None,
+              warmup: bool = True, progress: bool = False, devices=None) -> Deployment:
+        """Everything validated first, then the pools (only `role`'s pool if given).
+
+        A cross-process config runs one pool per process: each process builds its
+        own with `role="prefill"` or `role="decode"` and moves KV with
+        `xproc.KVSender` / `xproc.KVReceiver`.
+        """
         cfg = load_config(config) if isinstance(config, str) else config
         devices = jax.devices() if devices is None else devices
-        if cfg.transfer.kind != "in_process":
+        if role is not None and role not in cfg.pools():
+            raise ConfigError(f"role {role!r}: this config's pools are {', '.join(cfg.pools())}")
+        if cfg.transfer.kind == "cross_process" and role is None:
             raise ConfigError("transfer.kind: 'cross_process' runs each pool in its own "
-                              "process; build those pools with Deployment.build_pool")
+                              "process; build each with role='prefill' or role='decode'")
         model, tokenizer = load_model(cfg.model.name, jnp.dtype(cfg.model.dtype),
                                       seed=cfg.model.seed)
         placements = place_pools(cfg, len(devices), model.config.num_heads,
@@ -52,9 +60,9 @@ class Deployment:
                                 backend=cfg.model.attention_backend,
                                 layer_group_size=group, devices=devices)
                    for inst in placements[name].instances]
-            for name in placements}
+            for name in placements if role in (None, name)}
         transfers = {}
-        if cfg.mode == "disaggregated":
+        if cfg.mode == "disaggregated" and role is None:
             transfers = {(i, j): InProcessTransfer(p, d)
                          for i, p in enumerate(pools["prefill"])
                          for j, d in enumerate(pools["decode"])}

@@ -32,7 +32,14 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxdisagg.mesh.control import ControlClient, ControlServer
 from jaxdisagg.mesh.pool import PoolInstance
-from jaxdisagg.mesh.transfer import HEAD_AXIS, InFlightKV, KVSink, KVSource, Piece
+from jaxdisagg.mesh.transfer import (
+    HEAD_AXIS,
+    InFlightKV,
+    KVSink,
+    KVSource,
+    Piece,
+    TransferStats,
+)
 
 TRANSPORT_ADDRESSES = 1  # both peers must start their transfer servers with the same count
 
@@ -211,14 +218,21 @@ class KVReceiver:
         return InFlightKV(range(*offer.layers), self.sink.assemble(pieces), offer.num_pages,
                           offer.nbytes)
 
-    def insert(self, offers: list[KVOffer], dst_blocks) -> None:
-        """Pulls every offer, scatters the pages into the pool, then releases the offers."""
+    def insert(self, offers: list[KVOffer], dst_blocks) -> TransferStats:
+        """Pulls every offer, scatters the pages into the pool, then releases the offers.
+
+        transfer_s runs from the first pull to the pages in the pool (the prefill
+        side's compute end is in another process, so exposed_s is left unset).
+        """
+        start = time.perf_counter()
         parts = [self.pull(offer) for offer in offers]
         self.sink.insert(parts, dst_blocks)
         jax.block_until_ready(self.inst.kv)
+        stats = TransferStats(sum(p.nbytes for p in parts), time.perf_counter() - start)
         for offer in offers:
             try:
                 ControlClient(offer.control_address).call("release", {"uuid": offer.uuid},
                                                           timeout=5.0)
             except Exception:  # noqa: BLE001 - the sender's lease frees it anyway
                 pass
+        return stats
