@@ -112,7 +112,7 @@ def prefill_request(inst: PoolInstance, prompt: Sequence[int], src_blocks: Seque
         piece = prompt[start:start + c]
         tokens[:len(piece)] = piece
         last = start == starts[-1]
-        if last and transfer is not None and layer_streaming:
+        if last and transfer is not None and layer_streaming and len(inst.groups) > 1:
             out = tokens
             for i, group in enumerate(inst.groups):
                 out = inst.prefill_group(i, out, start, len(piece), table)

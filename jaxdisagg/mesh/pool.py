@@ -137,10 +137,11 @@ class PoolInstance:
         if prefill:
             tokens = np.zeros(c, np.int32)
             jax.block_until_ready(self.prefill(tokens, 0, 1, table))
-            out = tokens
-            for i in range(len(self.groups)):
-                out = self.prefill_group(i, out, 0, 1, table)
-            jax.block_until_ready(out)
+            if len(self.groups) > 1:  # layer streaming on
+                out = tokens
+                for i in range(len(self.groups)):
+                    out = self.prefill_group(i, out, 0, 1, table)
+                jax.block_until_ready(out)
         if decode:
             zeros = np.zeros(b, np.int32)
             jax.block_until_ready(self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros))

@@ -257,6 +257,7 @@ class InProcessTransfer:
     def warmup(self) -> None:
         """Compiles the gather, copy and scatter programs for every bucket and layer group."""
         groups = {(g.start, g.stop) for g in self.src.groups} | {(0, self.src.config.num_layers)}
+        # (the whole-model group is what a request moves when streaming is off)
         for lo, hi in sorted(groups):
             for bucket in all_buckets(self.src.max_pages):
                 blocks = list(range(bucket))
