@@ -1,0 +1,109 @@
+"""Chunked-prefill flash attention over a paged KV cache, in Pallas, GQA native.
+
+The queries of one chunk are regrouped per KV head with each KV head's G query
+heads folded into the rows: row r of KV head k is token r // G, query head
+k*G + r % G. Grid (KV head k, row block i): a program loads its [BR, H] query rows
+once and streams that KV head's keys and values page by page, straight from the
+paged cache through the block table, with an online softmax in fp32. One load of a
+KV tile serves all G heads of the group (no duplicated KV reads, no group padding),
+and the rows are a multiple of 16, so both matmuls run on tensor cores.
+
+Key s is visible to row r when s <= start + r // G (causal, the cached prefix
+included) and s < start + num_valid. The loop stops at the last page any row of
+the block can see, so a chunk at the start of a long table never reads the rest.
+
+Letters: T chunk tokens, R = T*G rows, BR rows per block, BK keys per step,
+K KV heads, G group, H head_dim, bs block size.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, *, group: int,
+            pages_per_step: int, scale: float):
+    i = pl.program_id(1)
+    num_blocks, bs, h = k_ref.shape
+    rows = q_ref.shape[0]
+    step_keys = pages_per_step * bs
+    start, num_valid = bounds_ref[0], bounds_ref[1]
+    kv_len = start + num_valid
+    q = q_ref[...]  # [BR, H]
+    row = i * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, step_keys), 0)
+    q_pos = start + row // group
+    # The last key any row of this block may see, and so the pages to stream.
+    last_key = jnp.minimum(start + ((i + 1) * rows - 1) // group, kv_len - 1)
+    steps = pl.cdiv(last_key + 1, step_keys)
+
+    def body(j, carry):
+        acc, m, denom = carry
+        pages = jnp.clip(table_ref[pl.ds(j * pages_per_step, pages_per_step)], 0,
+                         num_blocks - 1)
+        k = k_ref[pages].reshape(step_keys, h)
+        v = v_ref[pages].reshape(step_keys, h)
+        logits = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [BR, BK]
+        k_pos = j * step_keys + jax.lax.broadcasted_iota(jnp.int32, (rows, step_keys), 1)
+        logits = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), logits, _NEG)
+        m_new = jnp.maximum(m, logits.max(axis=-1))
+        p = jnp.exp(logits - m_new[:, None])
+        alpha = jnp.exp(m - m_new)
+        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        return acc, m_new, denom * alpha + p.sum(axis=-1)
+
+    init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, _, denom = jax.lax.fori_loop(0, steps, body, init)
+    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows",
+                                             "pages_per_step", "num_warps"))
+def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *,
+                            scale: float, interpret: bool = False, block_rows: int = 64,
+                            pages_per_step: int | None = None, num_warps: int = 4):
+    """q [T, N, H] at positions start..; pages [NB, bs, K, H]; block_table [P] -> [T, N, H].
+
+    Same contract as `reference.prefill_attention_ref` (the chunk's K/V already
+    written to the pages; rows past num_valid are padding).
+    """
+    t, n, h = q.shape
+    nb, bs, kh, _ = k_pages.shape
+    g = n // kh
+    p = block_table.shape[0]
+    if pages_per_step is None:  # >= 16 keys a step: the minimum tensor-core tile
+        pages_per_step = min(max(1, 32 // bs), pl.next_power_of_2(p))
+    rows = t * g
+    block_rows = min(block_rows, max(16, pl.next_power_of_2(rows)))
+    padded_rows = pl.cdiv(rows, block_rows) * block_rows
+    padded_pages = pl.cdiv(p, pages_per_step) * pages_per_step
+    table = jnp.pad(block_table.astype(jnp.int32), (0, padded_pages - p))
+    # [T, K*G, H] -> [K, T*G, H]: row r of KV head k is token r // G, head k*G + r % G.
+    qr = q.reshape(t, kh, g, h).transpose(1, 0, 2, 3).reshape(kh, rows, h)
+    qr = jnp.pad(qr, ((0, 0), (0, padded_rows - rows), (0, 0)))
+    bounds = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(num_valid, jnp.int32)])
+    out = pl.pallas_call(
+        functools.partial(_kernel, group=g, pages_per_step=pages_per_step, scale=scale),
+        grid=(kh, padded_rows // block_rows),
+        in_specs=[
+            pl.BlockSpec((padded_pages,), lambda k, i: (0,)),  # block table
+            pl.BlockSpec((2,), lambda k, i: (0,)),  # start, num_valid
+            pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),  # query rows
+            pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # K pages, head k
+            pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # V pages, head k
+        ],
+        out_specs=pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((kh, padded_rows, h), q.dtype),
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        name="paged_prefill_attention",
+    )(table, bounds, qr, k_pages, v_pages)
+    out = out[:, :rows].reshape(kh, t, g, h).transpose(1, 0, 2, 3)
+    return out.reshape(t, n, h)
