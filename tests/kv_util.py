@@ -8,10 +8,10 @@ from jaxdisagg.mesh.config import PoolConfig
 from jaxdisagg.mesh.pool import PoolInstance
 
 
-def make_pool(model, devices, tp, group=2):
+def make_pool(model, devices, tp, group=2, backend="auto"):
     cfg = PoolConfig(devices=devices, tp=tp, num_blocks=24, block_size=8, chunk_size=16,
                      max_slots=3, max_pages_per_request=8)
-    return PoolInstance("pool", model, devices, cfg, layer_group_size=group)
+    return PoolInstance("pool", model, devices, cfg, layer_group_size=group, backend=backend)
 
 
 def original_heads(inst, pages):

@@ -69,18 +69,18 @@ class PoolInstance:
         rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
         self._prefill = jax.jit(
-            functools.partial(prefill_chunk, graphdef, backend=self.backend),
+            functools.partial(prefill_chunk, graphdef, backend=self.backend, mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))
         self._decode = jax.jit(
-            functools.partial(decode_step, graphdef, backend=self.backend),
+            functools.partial(decode_step, graphdef, backend=self.backend, mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))
         self.groups = layer_groups(self.config.num_layers,
                                    layer_group_size or self.config.num_layers)
         self._group_fns = [
             jax.jit(functools.partial(prefill_chunk_group, graphdef, lo=g.start,
-                                      backend=self.backend),
+                                      backend=self.backend, mesh=self.mesh),
                     in_shardings=(self._state_sharding, self._kv_shardings(len(g)), rep, rep,
                                   rep, rep),
                     out_shardings=(rep, self._kv_shardings(len(g))), donate_argnums=(1,))

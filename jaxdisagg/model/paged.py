@@ -20,6 +20,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxdisagg.model.config import LlamaConfig
 from jaxdisagg.model.llama import Llama
@@ -102,7 +103,8 @@ def _join_kv(caches) -> KVPages:
     return KVPages(tuple(c[0] for c in caches), tuple(c[1] for c in caches))
 
 
-def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, backend):
+def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, backend,
+                    mesh):
     """Layers lo .. lo+len(caches) of one prefill chunk over x [1, C, D]."""
     c = x.shape[1]
     nb, bs = caches[0][0].shape[:2]
@@ -113,7 +115,7 @@ def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, 
     def attend(q, k, v, cache):
         k_pages, v_pages = _write(cache[0], rows, k[0]), _write(cache[1], rows, v[0])
         out = prefill_attention(q[0], k_pages, v_pages, block_table, start, num_valid,
-                                scale=scale, backend=backend)
+                                scale=scale, backend=backend, mesh=mesh)
         return out[None], (k_pages, v_pages)
 
     return model.run_layers(x, positions[None], caches, attend,
@@ -127,7 +129,8 @@ def _last_logits(model: Llama, x, num_valid):
 
 def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                   start: jax.Array, num_valid: jax.Array, block_table: jax.Array, *,
-                  backend: str = "reference") -> tuple[jax.Array, KVPages]:
+                  backend: str = "reference", mesh: Mesh | None = None
+                  ) -> tuple[jax.Array, KVPages]:
     """One prefill chunk of one request.
 
     tokens [C] (the first num_valid real, the rest padding) at positions
@@ -135,16 +138,18 @@ def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens:
     start + num_valid. Writes the chunk's K/V, attends to prefix + chunk, and
     returns (fp32 logits [V] of the last real token, updated pages).
     num_valid must be >= 1 (the caller's scheduler never sends an empty chunk).
+    `mesh`: the pool's mesh when running sharded (the kernels then use shard_map).
     """
     model: Llama = nnx.merge(graphdef, state)
     x, caches = _prefill_layers(model, model.embed(tokens[None]), _split_kv(kv, 0, len(kv.k)),
-                                0, start, num_valid, block_table, backend)
+                                0, start, num_valid, block_table, backend, mesh)
     return _last_logits(model, x, num_valid), _join_kv(caches)
 
 
 def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPages,
                         inputs: jax.Array, start: jax.Array, num_valid: jax.Array,
-                        block_table: jax.Array, *, lo: int, backend: str = "reference"):
+                        block_table: jax.Array, *, lo: int, backend: str = "reference",
+                        mesh: Mesh | None = None):
     """Layers lo .. lo+len(kv_group.k) of a prefill chunk, for layer-wise KV streaming.
 
     inputs are the chunk's tokens [C] when lo == 0, else the hidden states [1, C, D]
@@ -155,14 +160,15 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
     model: Llama = nnx.merge(graphdef, state)
     x = model.embed(inputs[None]) if lo == 0 else inputs
     x, caches = _prefill_layers(model, x, _split_kv(kv_group, 0, len(kv_group.k)), lo, start,
-                                num_valid, block_table, backend)
+                                num_valid, block_table, backend, mesh)
     out = _last_logits(model, x, num_valid) if lo + len(caches) == len(model.layers) else x
     return out, _join_kv(caches)
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                 positions: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
-                backend: str = "reference") -> tuple[jax.Array, KVPages]:
+                backend: str = "reference", mesh: Mesh | None = None
+                ) -> tuple[jax.Array, KVPages]:
     """One decode step for B slots.
 
     tokens, positions, seq_lens [B]; block_tables [B, P]. An active slot has
@@ -177,7 +183,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
     def attend(q, k, v, cache):
         k_pages, v_pages = _write(cache[0], rows, k[:, 0]), _write(cache[1], rows, v[:, 0])
         out = decode_attention(q[:, 0], k_pages, v_pages, block_tables, seq_lens,
-                               scale=scale, backend=backend)
+                               scale=scale, backend=backend, mesh=mesh)
         return out[:, None], (k_pages, v_pages)
 
     x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],

@@ -1,40 +1,81 @@
 """The one dispatch point for paged attention backends.
 
-Every backend shares the signatures of `prefill_attention` and
-`decode_attention` below. Today the only implementation is the jnp reference;
-the Pallas kernels plug in here under the names `pallas` and `pallas_interpret`.
+Every backend has the signatures of `prefill_attention` and `decode_attention`:
+
+* `reference`: plain jnp (`reference.py`), the CPU default and the oracle;
+* `pallas`: the Pallas kernels (`prefill.py`, `decode.py`) lowered for NVIDIA GPUs
+  through Pallas' Triton backend;
+* `pallas_interpret`: the same kernels in interpret mode (CPU, for tests);
+* `auto`: `pallas` on a GPU, `reference` elsewhere.
+
+Inside a sharded program, pass the pool's `mesh`: the kernels then run under
+`jax.shard_map` over the `tp` axis, each device on its own KV heads and their query
+heads (plain jit would all-gather the pages and run the kernel replicated). The
+reference backend needs no mesh: XLA partitions it.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+from jax.sharding import Mesh, PartitionSpec
+
+from jaxdisagg.pallas.decode import paged_decode_attention
+from jaxdisagg.pallas.prefill import paged_prefill_attention
 from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_ref
 
-# name -> (prefill fn, decode fn)
-_BACKENDS = {
-    "reference": (prefill_attention_ref, decode_attention_ref),
-}
-BACKEND_NAMES = ("auto", *_BACKENDS)
+BACKEND_NAMES = ("auto", "reference", "pallas", "pallas_interpret")
+TP = "tp"
 
 
 def resolve_backend(name: str) -> str:
     """Maps a configured backend name to an implemented one (`auto` -> best available)."""
-    if name == "auto":
-        return "reference"
-    if name not in _BACKENDS:
+    if name not in BACKEND_NAMES:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
+    if name == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
     return name
 
 
+def _kernels(backend: str):
+    interpret = backend == "pallas_interpret"
+    return (functools.partial(paged_prefill_attention, interpret=interpret),
+            functools.partial(paged_decode_attention, interpret=interpret))
+
+
+def _sharded(fn, mesh: Mesh | None, in_specs, out_spec):
+    if mesh is None or mesh.shape.get(TP, 1) == 1:
+        return fn
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                         check_vma=False)
+
+
+_HEADS = PartitionSpec(None, TP, None)  # q and outputs: [tokens or slots, heads, H]
+_PAGES = PartitionSpec(None, None, TP, None)  # [blocks, block_size, KV heads, H]
+
+
 def prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *, scale,
-                      backend: str = "reference"):
+                      backend: str = "reference", mesh: Mesh | None = None):
     """Chunk queries [T, N, H] at start.. over the request's pages -> [T, N, H]."""
-    fn = _BACKENDS[resolve_backend(backend)][0]
-    return fn(q, k_pages, v_pages, block_table, start, num_valid, scale=scale)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return prefill_attention_ref(q, k_pages, v_pages, block_table, start, num_valid,
+                                     scale=scale)
+    kernel = functools.partial(_kernels(backend)[0], scale=scale)
+    fn = _sharded(kernel, mesh, (_HEADS, _PAGES, _PAGES, PartitionSpec(), PartitionSpec(),
+                                 PartitionSpec()), _HEADS)
+    return fn(q, k_pages, v_pages, block_table, start, num_valid)
 
 
 def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
-                     backend: str = "reference"):
+                     backend: str = "reference", mesh: Mesh | None = None):
     """One query per slot [B, N, H] over each slot's pages -> [B, N, H]."""
-    fn = _BACKENDS[resolve_backend(backend)][1]
-    return fn(q, k_pages, v_pages, block_tables, seq_lens, scale=scale)
+    backend = resolve_backend(backend)
+    if backend == "reference":
+        return decode_attention_ref(q, k_pages, v_pages, block_tables, seq_lens, scale=scale)
+    kernel = functools.partial(_kernels(backend)[1], scale=scale)
+    fn = _sharded(kernel, mesh, (_HEADS, _PAGES, _PAGES, PartitionSpec(), PartitionSpec()),
+                  _HEADS)
+    return fn(q, k_pages, v_pages, block_tables, seq_lens)

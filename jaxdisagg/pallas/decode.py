@@ -24,8 +24,9 @@ from jax.experimental.pallas import triton as plgpu
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
-            pages_per_split: int, pages_per_step: int, scale: float):
+def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, pages_per_split: int,
+            pages_per_step: int, scale: float):
+    acc_ref, m_ref, l_ref = refs[-3:]  # (any aliased init buffers come first)
     b, s = pl.program_id(0), pl.program_id(2)
     num_blocks, bs, h = k_ref.shape
     g = q_ref.shape[0]
@@ -59,14 +60,17 @@ def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, acc_ref, m_ref, l_ref, *,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "num_splits",
-                                             "pages_per_step", "num_warps"))
+                                             "pages_per_step", "num_warps", "poison"))
 def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale: float,
                            interpret: bool = False, num_splits: int | None = None,
-                           pages_per_step: int | None = None, num_warps: int = 4):
+                           pages_per_step: int | None = None, num_warps: int = 4,
+                           poison: bool = False):
     """q [B, N, H]; pages [NB, bs, K, H]; block_tables [B, P]; seq_lens [B] -> [B, N, H].
 
     Same contract as `reference.decode_attention_ref`: seq_lens counts the keys
     (the current token's K/V already written); length-0 slots give zeros.
+    poison (tests): the kernel's output buffers start as NaN, so any element it
+    fails to write shows up in the result of a non-empty slot.
     """
     b, n, h = q.shape
     nb, bs, kh, _ = k_pages.shape
@@ -81,6 +85,8 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - p)))
     qg = q.reshape(b, kh, g, h)
     partial = jax.ShapeDtypeStruct((num_splits, b, kh, g), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((num_splits, b, kh, g, h), jnp.float32), partial, partial]
+    inits = [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape] if poison else []
     acc, m, denom = pl.pallas_call(
         functools.partial(_kernel, pages_per_split=per_split, pages_per_step=pages_per_step,
                           scale=scale),
@@ -91,18 +97,18 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
             pl.BlockSpec((None, None, g, h), lambda i, j, s: (i, j, 0, 0)),  # q
             pl.BlockSpec((nb, bs, None, h), lambda i, j, s: (0, 0, j, 0)),  # K pages, head j
             pl.BlockSpec((nb, bs, None, h), lambda i, j, s: (0, 0, j, 0)),  # V pages, head j
-        ],
+        ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(inits),
         out_specs=[
             pl.BlockSpec((None, None, None, g, h), lambda i, j, s: (s, i, j, 0, 0)),
             pl.BlockSpec((None, None, None, g), lambda i, j, s: (s, i, j, 0)),
             pl.BlockSpec((None, None, None, g), lambda i, j, s: (s, i, j, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((num_splits, b, kh, g, h), jnp.float32), partial,
-                   partial],
+        out_shape=out_shape,
+        input_output_aliases={5 + i: i for i in range(len(inits))},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="paged_decode_attention",
-    )(tables, seq_lens.astype(jnp.int32), qg, k_pages, v_pages)
+    )(tables, seq_lens.astype(jnp.int32), qg, k_pages, v_pages, *inits)
     # Combine the splits: rescale each to the global max, then normalise once.
     m_all = m.max(axis=0)
     w = jnp.exp(m - m_all[None])  # [S, B, K, G]

@@ -28,8 +28,9 @@ from jax.experimental.pallas import triton as plgpu
 _NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, *, group: int,
+def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
             pages_per_step: int, scale: float):
+    o_ref = refs[-1]  # (an aliased init buffer, if any, comes first)
     i = pl.program_id(1)
     num_blocks, bs, h = k_ref.shape
     rows = q_ref.shape[0]
@@ -49,13 +50,13 @@ def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, *, group: int,
                          num_blocks - 1)
         k = k_ref[pages].reshape(step_keys, h)
         v = v_ref[pages].reshape(step_keys, h)
-        logits = pl.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [BR, BK]
+        logits = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [BR, BK]
         k_pos = j * step_keys + jax.lax.broadcasted_iota(jnp.int32, (rows, step_keys), 1)
         logits = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), logits, _NEG)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         p = jnp.exp(logits - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + pl.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
         return acc, m_new, denom * alpha + p.sum(axis=-1)
 
     init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
@@ -65,14 +66,16 @@ def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, o_ref, *, group: int,
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows",
-                                             "pages_per_step", "num_warps"))
+                                             "pages_per_step", "num_warps", "poison"))
 def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *,
                             scale: float, interpret: bool = False, block_rows: int = 64,
-                            pages_per_step: int | None = None, num_warps: int = 4):
+                            pages_per_step: int | None = None, num_warps: int = 4,
+                            poison: bool = False):
     """q [T, N, H] at positions start..; pages [NB, bs, K, H]; block_table [P] -> [T, N, H].
 
     Same contract as `reference.prefill_attention_ref` (the chunk's K/V already
-    written to the pages; rows past num_valid are padding).
+    written to the pages; rows past num_valid are padding). poison (tests): the
+    output buffer starts as NaN, so any element the kernel fails to write shows.
     """
     t, n, h = q.shape
     nb, bs, kh, _ = k_pages.shape
@@ -89,6 +92,8 @@ def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, 
     qr = q.reshape(t, kh, g, h).transpose(1, 0, 2, 3).reshape(kh, rows, h)
     qr = jnp.pad(qr, ((0, 0), (0, padded_rows - rows), (0, 0)))
     bounds = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(num_valid, jnp.int32)])
+    out_shape = jax.ShapeDtypeStruct((kh, padded_rows, h), q.dtype)
+    inits = [jnp.full(out_shape.shape, jnp.nan, q.dtype)] if poison else []
     out = pl.pallas_call(
         functools.partial(_kernel, group=g, pages_per_step=pages_per_step, scale=scale),
         grid=(kh, padded_rows // block_rows),
@@ -98,12 +103,13 @@ def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, 
             pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),  # query rows
             pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # K pages, head k
             pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # V pages, head k
-        ],
+        ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(inits),
         out_specs=pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((kh, padded_rows, h), q.dtype),
+        out_shape=out_shape,
+        input_output_aliases={5: 0} if poison else {},
         interpret=interpret,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         name="paged_prefill_attention",
-    )(table, bounds, qr, k_pages, v_pages)
+    )(table, bounds, qr, k_pages, v_pages, *inits)
     out = out[:, :rows].reshape(kh, t, g, h).transpose(1, 0, 2, 3)
     return out.reshape(t, n, h)
