@@ -19,9 +19,7 @@ itself is tested where no GPU is lent.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -32,6 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import median_seconds, write_result  # noqa: E402
+
 from jaxdisagg.pallas.decode import paged_decode_attention  # noqa: E402
 from jaxdisagg.pallas.prefill import paged_prefill_attention  # noqa: E402
 from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_ref  # noqa: E402
@@ -42,13 +43,7 @@ DTYPE = jnp.bfloat16
 
 def timed(fn, *args, repeats=10):
     """Median seconds of a jitted call (after a compile-and-warm call)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return median_seconds(lambda: jax.block_until_ready(fn(*args)), repeats)
 
 
 def ceilings(smoke: bool) -> dict:
@@ -210,10 +205,8 @@ def main(argv=None) -> int:
               f"{r['fraction_of_matmul']:>10.0%}")
     print("targets: decode >= 85% of copy bandwidth; prefill >= 60% of matmul rate; "
           "faster than JAX's kernels on GQA shapes")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out} in {time.perf_counter() - t0:.0f}s")
+    write_result(args.out, result)
+    print(f"done in {time.perf_counter() - t0:.0f}s")
     return 0
 
 

@@ -14,35 +14,22 @@ Prints a table and writes JSON. The machine is noisy: compare ratios within a ru
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import median_seconds, write_result
 from flax import nnx
 
 from jaxdisagg.model import KVLayout, Llama, get_preset, jit_serving_fns
 
 CONTEXT = 512
 BLOCK = 16
-
-
-def timed(fn, repeats: int) -> float:
-    """Median seconds of fn() over repeats, after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def ceilings(repeats: int) -> dict:
@@ -55,11 +42,12 @@ def ceilings(repeats: int) -> dict:
     flops = 2 * a.shape[0] * a.shape[1] * b.shape[1]
     dot = jax.jit(jnp.dot)
     ja, jb, jw, jx = map(jnp.asarray, (a, b, w, x))
+    secs = lambda fn: median_seconds(fn, repeats)  # noqa: E731
     out = {
-        "matmul_gflops_xla": flops / timed(lambda: dot(ja, jb).block_until_ready(), repeats) / 1e9,
-        "matmul_gflops_numpy": flops / timed(lambda: a @ b, repeats) / 1e9,
-        "stream_gbs_xla": w.nbytes / timed(lambda: dot(jw, jx).block_until_ready(), repeats) / 1e9,
-        "stream_gbs_numpy": w.nbytes / timed(lambda: w @ x, repeats) / 1e9,
+        "matmul_gflops_xla": flops / secs(lambda: dot(ja, jb).block_until_ready()) / 1e9,
+        "matmul_gflops_numpy": flops / secs(lambda: a @ b) / 1e9,
+        "stream_gbs_xla": w.nbytes / secs(lambda: dot(jw, jx).block_until_ready()) / 1e9,
+        "stream_gbs_numpy": w.nbytes / secs(lambda: w @ x) / 1e9,
     }
     out["matmul_gflops"] = max(out["matmul_gflops_xla"], out["matmul_gflops_numpy"])
     out["stream_gbs"] = max(out["stream_gbs_xla"], out["stream_gbs_numpy"])
@@ -98,7 +86,7 @@ def ours(model, repeats: int) -> dict:
                                     jnp.asarray(tables[slot]))
         logits.block_until_ready()
 
-    res = {"prefill_512_s": timed(prefill, repeats)}
+    res = {"prefill_512_s": median_seconds(prefill, repeats)}
     for slot in range(8):  # fill every slot's cache with a real 512-token prefix
         prefill(slot)
 
@@ -112,7 +100,7 @@ def ours(model, repeats: int) -> dict:
             logits, kv[0] = fns.decode(state, kv[0], tokens, pos, tab, lens)
             logits.block_until_ready()
 
-        res[f"decode_b{b}_s"] = timed(step, repeats * 3)
+        res[f"decode_b{b}_s"] = median_seconds(step, repeats * 3)
     return res
 
 
@@ -131,13 +119,13 @@ def hf(model, repeats: int) -> dict | None:
     prompt = torch.tensor(rng.integers(0, model.config.vocab_size, (1, CONTEXT)))
     new = 32
     with torch.no_grad():
-        prefill = timed(lambda: hf_model(prompt, use_cache=False), repeats)
+        prefill = median_seconds(lambda: hf_model(prompt, use_cache=False), repeats)
 
         def gen(b):
             batch = prompt.repeat(b, 1)
             kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)  # no early stop
-            full = timed(lambda: hf_model.generate(batch, max_new_tokens=new, **kw), 2)
-            first = timed(lambda: hf_model.generate(batch, max_new_tokens=1, **kw), 2)
+            full = median_seconds(lambda: hf_model.generate(batch, max_new_tokens=new, **kw), 2)
+            first = median_seconds(lambda: hf_model.generate(batch, max_new_tokens=1, **kw), 2)
             return (full - first) / (new - 1)  # per decode step, prefill excluded
 
         return {"torch": torch.__version__, "threads": torch.get_num_threads(),
@@ -196,10 +184,7 @@ def main(argv=None) -> int:
           f"{os.cpu_count()} CPUs, median of {args.repeats}+ runs")
     for name, value, note in rows:
         print(f"  {name:<{width}}  {value:>14}  {note}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 

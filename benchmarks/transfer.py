@@ -24,14 +24,13 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from common import median_seconds, write_result  # noqa: E402
 
 from jaxdisagg.mesh import finish_transfer, prefill_request  # noqa: E402
 from jaxdisagg.mesh.config import PoolConfig  # noqa: E402
@@ -40,16 +39,6 @@ from jaxdisagg.mesh.transfer import InProcessTransfer  # noqa: E402
 from jaxdisagg.model import Llama, get_preset  # noqa: E402
 
 BLOCK = 16
-
-
-def median_time(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def run_pair(model, dst_tp, prompt, repeats, group):
@@ -72,7 +61,7 @@ def run_pair(model, dst_tp, prompt, repeats, group):
         return part.nbytes
 
     nbytes = standalone()
-    t_alone = median_time(standalone, repeats)
+    t_alone = median_seconds(standalone, repeats)
 
     def request(streaming):
         logits, parts, first = prefill_request(src, prompt, blocks, xfer, streaming)
@@ -152,14 +141,14 @@ def cross_process(model, prompt, repeats) -> dict:
 def memcpy_gbs(nbytes, repeats):
     a = np.ones(nbytes // 4, np.float32)
     b = np.empty_like(a)
-    return nbytes / median_time(lambda: np.copyto(b, a), repeats) / 1e9
+    return nbytes / median_seconds(lambda: np.copyto(b, a), repeats) / 1e9
 
 
 def device_put_gbs(nbytes, repeats):
     """Same-layout single-device copy (device 0 -> 4): the fast path the shards use."""
     x = jax.device_put(np.ones(nbytes // 4, np.float32), jax.devices()[0])
     target = jax.devices()[4]
-    return nbytes / median_time(lambda: jax.device_put(x, target).block_until_ready(),
+    return nbytes / median_seconds(lambda: jax.device_put(x, target).block_until_ready(),
                                 repeats) / 1e9
 
 
@@ -199,10 +188,7 @@ def main(argv=None) -> int:
     print(f"  cross-process tp4 -> tp2 (second process): {x['bytes'] / 1e6:.1f} MB pulled in "
           f"{x['pull_s'] * 1e3:.1f} ms = {x['gbs']:.2f} GB/s (control round trip "
           f"{x['round_trip_s'] * 1e3:.1f} ms)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write_result(args.out, result)
     return 0
 
 
