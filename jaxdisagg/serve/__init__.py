@@ -1,0 +1,1 @@
+"""Serving: KV block accounting and prefix cache (engines, schedulers and API to come)."""
