@@ -57,7 +57,13 @@ def sample(logits, keys, temperature, top_k, top_p):
     return jax.vmap(_sample_row)(logits, keys, temperature, top_k, top_p)
 
 
-def row_keys(seeds, step: int):
-    """One key per row for this step: fold the step into each request's own seed."""
-    return jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), step))(
-        jnp.asarray(seeds, jnp.uint32))
+def row_keys(seeds, steps):
+    """One key per row: fold the index of the token being drawn into the row's own seed.
+
+    `steps` is one int for every row, or one per row (rows of a continuous batch are
+    at different points of their requests). Token i of a request always uses
+    fold_in(key(seed), i), whichever engine or batch draws it.
+    """
+    seeds = jnp.asarray(seeds, jnp.uint32)
+    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.uint32), seeds.shape)
+    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
