@@ -43,6 +43,7 @@ class DisaggregatedCore:
         self.finished: dict[str, Finished] = {}
         self._cached: dict[str, int] = {}
         self._resume: dict[str, Sequence] = {}  # preempted, being recomputed
+        self._emitted: list[tuple[str, int]] = []
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams,
                     stop_ids=()) -> None:
@@ -86,6 +87,7 @@ class DisaggregatedCore:
                 self.decode.admit(seq)
                 continue
             self._cached[job.request_id] = job.cached_tokens
+            self._emitted.append((job.request_id, h.first_token))
             seq = Sequence(job.request_id, job.prompt, job.params, job.stop_ids, blocks=blocks,
                            tokens=[h.first_token])
             if seq.finish_check():  # its first token already ends it
@@ -94,18 +96,22 @@ class DisaggregatedCore:
             else:
                 self.decode.admit(seq)
 
-    def step(self) -> None:
+    def step(self) -> list[tuple[str, int]]:
+        """Advances every stage once; returns the tokens produced, (request id, token)."""
+        self._emitted: list[tuple[str, int]] = []
         handoff = self.prefill.step()
         if handoff is not None:
             self.handoffs.append(handoff)
         self._admit()
         result = self.decode.step()
+        self._emitted += result.tokens
         for seq in result.finished:
             self._done(seq.request_id, seq.tokens, seq.finish_reason)
         for seq in result.preempted:  # recompute: prefill prompt + generated, then decode on
             self.prefill.submit(PrefillJob(seq.request_id, seq.prompt + seq.tokens[:-1],
                                            seq.params, seq.stop_ids))
             self._resume[seq.request_id] = seq
+        return self._emitted
 
     @property
     def idle(self) -> bool:
