@@ -90,3 +90,14 @@ def test_concurrent_submitters(engine):
     want = ReferenceGenerator(engine.deployment.model).generate(prompts, params)
     assert results == want
     all_blocks_back(engine)
+
+
+def test_results_can_be_taken_after_the_request_finished(engine):
+    ids = [engine.submit([256, i], SamplingParams(max_tokens=1)) for i in range(3)]
+    for _ in range(200):  # let them all finish before anyone asks
+        if not engine._live:
+            break
+        threading.Event().wait(0.05)
+    assert [len(engine.result(rid, timeout=30).token_ids) for rid in ids] == [1, 1, 1]
+    with pytest.raises(KeyError, match="no pending request"):
+        engine.result(ids[0])  # a result is taken once

@@ -61,7 +61,8 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._inbox: list[tuple[str, object]] = []
-        self._live: dict[str, _Request] = {}
+        self._live: dict[str, _Request] = {}  # in flight
+        self._requests: dict[str, _Request] = {}  # submitted, result not yet taken
         self._ids = itertools.count()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="jaxdisagg-engine", daemon=True)
@@ -105,10 +106,10 @@ class Engine:
             if self._stopping:
                 raise RuntimeError("the engine is closed")
             request_id = request_id or f"req-{next(self._ids)}"
-            if request_id in self._live:
-                raise ValueError(f"request_id: {request_id!r} is already in flight")
+            if request_id in self._requests:
+                raise ValueError(f"request_id: {request_id!r} is already in use")
             req = _Request(request_id, ids, params, stops)
-            self._live[request_id] = req
+            self._live[request_id] = self._requests[request_id] = req
             self._inbox.append(("add", req))
         self._wake.set()
         return request_id
@@ -124,7 +125,7 @@ class Engine:
                **kwargs) -> Iterator[tuple[int, str]]:
         """Yields (token id, text delta) as tokens are produced; cancels if abandoned."""
         rid = self.submit(prompt, params, **kwargs)
-        req = self._live[rid]
+        req = self._requests[rid]
         decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
         finished = False
         try:
@@ -132,6 +133,7 @@ class Engine:
                 kind, value = req.events.get()
                 if kind == "done":
                     finished = True
+                    self._requests.pop(rid, None)
                     return
                 yield value, decoder.push(value) if decoder else ""
         finally:
@@ -140,16 +142,19 @@ class Engine:
                     self.cancel(rid)
                 except KeyError:
                     pass
+                self._requests.pop(rid, None)
 
     def result(self, request_id: str, timeout: float | None = None) -> Result:
-        req = self._live.get(request_id)
+        """Waits for a submitted request's Result (each result can be taken once)."""
+        req = self._requests.get(request_id)
         if req is None:
-            raise KeyError(f"request_id: no request {request_id!r} in flight")
+            raise KeyError(f"request_id: no pending request {request_id!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             kind, value = req.events.get(timeout=left)
             if kind == "done":
+                self._requests.pop(request_id, None)
                 return value
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
@@ -169,7 +174,11 @@ class Engine:
                 stopping = self._stopping
             for kind, item in inbox:
                 if kind == "add":
-                    core.add_request(item.request_id, item.prompt, item.params, item.stop_ids)
+                    try:
+                        core.add_request(item.request_id, item.prompt, item.params,
+                                         item.stop_ids)
+                    except ValueError as e:  # the request fails, the loop goes on
+                        core._done(item.request_id, [], f"error: {e}")
                 elif kind == "cancel":
                     core.cancel(item)
             if stopping:
@@ -186,8 +195,8 @@ class Engine:
                 emitted = core.step()
             except Exception as e:  # noqa: BLE001 - fail the requests, keep the thread alive
                 for rid in list(self._live):
-                    core.cancel(rid)
-                    core.finished[rid].finish_reason = f"error: {type(e).__name__}: {e}"
+                    if core.cancel(rid):
+                        core.finished[rid].finish_reason = f"error: {type(e).__name__}: {e}"
                 emitted = []
             self._deliver(emitted)
 
