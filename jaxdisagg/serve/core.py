@@ -53,19 +53,20 @@ class DisaggregatedCore:
         """Frees the request's blocks on both pools, wherever it is."""
         if self.prefill.cancel(request_id) is not None:
             seq = self._resume.pop(request_id, None)
-            return self._done(request_id, seq.tokens if seq else [], "cancelled")
+            return self.finish(request_id, seq.tokens if seq else [], "cancelled")
         for h in self.handoffs:
             if h.job.request_id == request_id:
                 self.handoffs.remove(h)
                 self.prefill.release(h)
                 seq = self._resume.pop(request_id, None)
-                return self._done(request_id, seq.tokens if seq else [], "cancelled")
+                return self.finish(request_id, seq.tokens if seq else [], "cancelled")
         seq = self.decode.cancel(request_id)
         if seq is not None:
-            return self._done(request_id, seq.tokens, "cancelled")
+            return self.finish(request_id, seq.tokens, "cancelled")
         return False
 
-    def _done(self, request_id, tokens, reason) -> bool:
+    def finish(self, request_id, tokens, reason) -> bool:
+        """Records a request as finished (its blocks already released)."""
         self.finished[request_id] = Finished(request_id, list(tokens), reason,
                                              self._cached.pop(request_id, 0))
         return True
@@ -92,7 +93,7 @@ class DisaggregatedCore:
                            tokens=[h.first_token])
             if seq.finish_check():  # its first token already ends it
                 self.decode_blocks.release(blocks)
-                self._done(seq.request_id, seq.tokens, seq.finish_check())
+                self.finish(seq.request_id, seq.tokens, seq.finish_check())
             else:
                 self.decode.admit(seq)
 
@@ -106,7 +107,7 @@ class DisaggregatedCore:
         result = self.decode.step()
         self._emitted += result.tokens
         for seq in result.finished:
-            self._done(seq.request_id, seq.tokens, seq.finish_reason)
+            self.finish(seq.request_id, seq.tokens, seq.finish_reason)
         for seq in result.preempted:  # recompute: prefill prompt + generated, then decode on
             self.prefill.submit(PrefillJob(seq.request_id, seq.prompt + seq.tokens[:-1],
                                            seq.params, seq.stop_ids))

@@ -178,7 +178,7 @@ class Engine:
                         core.add_request(item.request_id, item.prompt, item.params,
                                          item.stop_ids)
                     except ValueError as e:  # the request fails, the loop goes on
-                        core._done(item.request_id, [], f"error: {e}")
+                        core.finish(item.request_id, [], f"error: {e}")
                 elif kind == "cancel":
                     core.cancel(item)
             if stopping:
