@@ -14,3 +14,25 @@ def tiny_model():
     from jaxdisagg.model import Llama, get_preset
 
     return Llama(get_preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def deployments():
+    """deployments(name) -> the configs/<name> Deployment, built and warmed up once.
+
+    Tests share the pools: each test keeps its own block accounting, and pages are
+    always written before they are read, so what an earlier test left is never seen.
+    """
+    from pathlib import Path
+
+    from jaxdisagg.mesh import Deployment
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    built = {}
+
+    def get(name):
+        if name not in built:
+            built[name] = Deployment.build(str(configs / name))
+        return built[name]
+
+    return get

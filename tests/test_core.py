@@ -14,18 +14,6 @@ from jaxdisagg.serve.core import DisaggregatedCore
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.fixture(scope="module")
-def deployments():
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = Deployment.build(str(CONFIGS / name))
-        return built[name]
-
-    return get
-
-
 def prompts(seed, lens):
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, n).tolist() for n in lens]

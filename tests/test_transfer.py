@@ -16,19 +16,6 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROMPT = list(np.random.default_rng(0).integers(0, 256, 45))  # 3 chunks of 16, 6 pages of 8
 
 
-@pytest.fixture(scope="module")
-def deployments():
-    """Each config built (and warmed up) once for the module."""
-    built = {}
-
-    def get(name):
-        if name not in built:
-            built[name] = Deployment.build(str(CONFIGS / name))
-        return built[name]
-
-    return get
-
-
 @pytest.mark.parametrize("streaming", [True, False], ids=["streamed", "whole"])
 @pytest.mark.parametrize("src_tp,dst_tp", [(4, 4), (4, 2), (2, 4), (1, 4)])
 def test_kv_arrives_bit_for_bit(tiny_model, src_tp, dst_tp, streaming):
