@@ -1,1 +1,2 @@
-"""Serving: KV block accounting and prefix cache (engines, schedulers and API to come)."""
+"""Serving: block accounting and prefix cache, prefill and decode schedulers, the
+disaggregated core loop, and the `Engine` Python API."""
