@@ -85,46 +85,64 @@ class Deployment:
                 job.warmup()
 
 
+def block_table(inst: PoolInstance, blocks: Sequence[int]) -> np.ndarray:
+    """A request's block list padded to the instance's table width."""
+    table = np.zeros(inst.max_pages, np.int32)
+    table[:len(blocks)] = blocks
+    return table
+
+
+def chunk_at(inst: PoolInstance, prompt: Sequence[int], start: int) -> tuple[np.ndarray, int]:
+    """The chunk of `prompt` starting at `start`, padded to chunk_size; and its real length."""
+    piece = prompt[start:start + inst.pool.chunk_size]
+    tokens = np.zeros(inst.pool.chunk_size, np.int32)
+    tokens[:len(piece)] = piece
+    return tokens, len(piece)
+
+
+def prefill_last_chunk(inst: PoolInstance, tokens: np.ndarray, start: int, num_valid: int,
+                       table: np.ndarray, blocks: Sequence[int], transfer=None,
+                       layer_streaming: bool = True) -> tuple[jax.Array, list]:
+    """A request's final chunk, its KV sent through `transfer`; (logits, tickets).
+
+    With layer streaming the chunk runs layer group by layer group and each group's
+    pages start moving as soon as that group is dispatched, so the copy of early
+    layers overlaps the compute of later ones. Without it, all pages move after the
+    last layer. Nothing here blocks.
+    """
+    if transfer is None:
+        return inst.prefill(tokens, start, num_valid, table), []
+    if layer_streaming and len(inst.groups) > 1:
+        tickets, out = [], tokens
+        for i, group in enumerate(inst.groups):
+            out = inst.prefill_group(i, out, start, num_valid, table)
+            tickets.append(transfer.extract(group, blocks))
+        return out, tickets
+    logits = inst.prefill(tokens, start, num_valid, table)
+    return logits, [transfer.extract(range(inst.config.num_layers), blocks)]
+
+
 def prefill_request(inst: PoolInstance, prompt: Sequence[int], src_blocks: Sequence[int],
                     transfer: InProcessTransfer | None = None,
                     layer_streaming: bool = True) -> tuple[jax.Array, list[InFlightKV], float]:
     """Chunked prefill of one prompt into `src_blocks`; returns (logits of the last token,
     KV parts in flight to the decode devices, dispatch time of the first part).
-
-    With layer streaming the last chunk runs layer group by layer group and each
-    group's pages start moving as soon as that group is dispatched, so the copy of
-    early layers overlaps the compute of later ones. Without it, all pages move
-    after the last chunk. Nothing here blocks.
     """
-    c, p = inst.pool.chunk_size, inst.max_pages
     bs = inst.layout.block_size
-    if not 0 < len(prompt) <= p * bs:
-        raise ValueError(f"prompt of {len(prompt)} tokens does not fit 1..{p * bs}")
+    if not 0 < len(prompt) <= inst.max_pages * bs:
+        raise ValueError(f"prompt of {len(prompt)} tokens does not fit "
+                         f"1..{inst.max_pages * bs}")
     if len(src_blocks) < -(-len(prompt) // bs):
         raise ValueError(f"{len(src_blocks)} blocks cannot hold {len(prompt)} tokens")
-    table = np.zeros(p, np.int32)
-    table[:len(src_blocks)] = src_blocks
-    parts: list[InFlightKV] = []
-    first = None
-    starts = list(range(0, len(prompt), c))
-    for start in starts:
-        tokens = np.zeros(c, np.int32)
-        piece = prompt[start:start + c]
-        tokens[:len(piece)] = piece
-        last = start == starts[-1]
-        if last and transfer is not None and layer_streaming and len(inst.groups) > 1:
-            out = tokens
-            for i, group in enumerate(inst.groups):
-                out = inst.prefill_group(i, out, start, len(piece), table)
-                parts.append(transfer.extract(group, src_blocks))
-                first = parts[0].dispatched_at
-            logits = out
-        else:
-            logits = inst.prefill(tokens, start, len(piece), table)
-    if transfer is not None and not parts:
-        parts.append(transfer.extract(range(inst.config.num_layers), src_blocks))
-        first = parts[0].dispatched_at
-    return logits, parts, first
+    table = block_table(inst, src_blocks)
+    starts = list(range(0, len(prompt), inst.pool.chunk_size))
+    for start in starts[:-1]:
+        tokens, n = chunk_at(inst, prompt, start)
+        inst.prefill(tokens, start, n, table)
+    tokens, n = chunk_at(inst, prompt, starts[-1])
+    logits, parts = prefill_last_chunk(inst, tokens, starts[-1], n, table, src_blocks,
+                                       transfer, layer_streaming)
+    return logits, parts, parts[0].dispatched_at if parts else None
 
 
 def finish_transfer(transfer: InProcessTransfer, logits: jax.Array, parts: list[InFlightKV],

@@ -15,8 +15,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import jax.numpy as jnp
-import numpy as np
 
+from jaxdisagg.mesh.deployment import block_table, chunk_at, prefill_last_chunk
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import KVSendSide
 from jaxdisagg.model.sampling import SamplingParams, row_keys, sample
@@ -85,29 +85,15 @@ class PrefillScheduler:
         job = self.queue[0]
         if job.next_pos < 0 and not self._start(job):
             return None
-        c, p = self.inst.pool.chunk_size, self.inst.max_pages
-        table = np.zeros(p, np.int32)
-        table[:len(job.blocks)] = job.blocks
+        table = block_table(self.inst, job.blocks)
         start = job.next_pos
-        piece = job.prompt[start:start + c]
-        tokens = np.zeros(c, np.int32)
-        tokens[:len(piece)] = piece
-        job.next_pos += len(piece)
+        tokens, n = chunk_at(self.inst, job.prompt, start)
+        job.next_pos += n
         if job.next_pos < len(job.prompt):
-            self.inst.prefill(tokens, start, len(piece), table)
+            self.inst.prefill(tokens, start, n, table)
             return None
-        tickets = []
-        if self.transfer is not None and len(self.inst.groups) > 1:
-            out = tokens
-            for i, group in enumerate(self.inst.groups):
-                out = self.inst.prefill_group(i, out, start, len(piece), table)
-                tickets.append(self.transfer.extract(group, job.blocks))
-            logits = out
-        else:
-            logits = self.inst.prefill(tokens, start, len(piece), table)
-            if self.transfer is not None:
-                tickets.append(self.transfer.extract(range(self.inst.config.num_layers),
-                                                     job.blocks))
+        logits, tickets = prefill_last_chunk(self.inst, tokens, start, n, table, job.blocks,
+                                             self.transfer)
         p_ = job.params
         first = sample(logits[None], row_keys([p_.seed], 0), jnp.array([p_.temperature]),
                        jnp.array([p_.top_k]), jnp.array([p_.top_p]))
