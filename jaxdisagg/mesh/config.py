@@ -57,6 +57,18 @@ class TransferConfig:
 
 
 @dataclass(frozen=True)
+class RouterConfig:
+    """How requests reach the pools (the serving engine reads this; pools do not)."""
+
+    # Conditional disaggregation: prompts of at most this many tokens are prefilled on
+    # the decode instance itself, skipping the transfer (0 = always disaggregate).
+    local_prefill_threshold: int = 0
+    max_requests: int = 1024  # requests in flight (any stage) before submit refuses more
+    handoff_queue: int = 4  # prefilled requests (KV staged) waiting per decode instance
+    prefix_cache: bool = True
+
+
+@dataclass(frozen=True)
 class DeploymentConfig:
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -64,6 +76,7 @@ class DeploymentConfig:
     decode: PoolConfig | None = None
     colocated: PoolConfig | None = None
     transfer: TransferConfig = field(default_factory=TransferConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
 
     def pools(self) -> dict[str, PoolConfig]:
         names = ("colocated",) if self.mode == "colocated" else ("prefill", "decode")
@@ -71,7 +84,8 @@ class DeploymentConfig:
 
 
 _POSITIVE = {"tp", "instances", "num_blocks", "block_size", "chunk_size", "max_slots",
-             "max_pages_per_request", "layer_group_size", "pull_timeout_s", "lease_s"}
+             "max_pages_per_request", "layer_group_size", "pull_timeout_s", "lease_s",
+             "max_requests", "handoff_queue"}
 
 
 def _type_name(tp) -> str:
@@ -131,6 +145,9 @@ def _from_dict(cls, data, path: str):
         kwargs[key] = _coerce(value, hints[key], where)
         if key in _POSITIVE and kwargs[key] <= 0:
             raise ConfigError(f"{where}: must be positive, got {kwargs[key]!r}")
+        if key == "local_prefill_threshold" and kwargs[key] < 0:
+            raise ConfigError(f"{where}: must be 0 (off) or a positive token count, "
+                              f"got {kwargs[key]!r}")
     return cls(**kwargs)
 
 

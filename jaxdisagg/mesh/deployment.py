@@ -80,7 +80,9 @@ class Deployment:
         for label, job in bar:
             bar.set_postfix_str(label)
             if isinstance(job, PoolInstance):
-                job.warmup(prefill=job.name != "decode", decode=job.name != "prefill")
+                # Decode instances prefill too: short prompts under conditional
+                # disaggregation, and recomputation after preemption.
+                job.warmup(decode=job.name != "prefill", streaming=job.name == "prefill")
             else:
                 job.warmup()
 
@@ -92,9 +94,12 @@ def block_table(inst: PoolInstance, blocks: Sequence[int]) -> np.ndarray:
     return table
 
 
-def chunk_at(inst: PoolInstance, prompt: Sequence[int], start: int) -> tuple[np.ndarray, int]:
-    """The chunk of `prompt` starting at `start`, padded to chunk_size; and its real length."""
-    piece = prompt[start:start + inst.pool.chunk_size]
+def chunk_at(inst: PoolInstance, prompt: Sequence[int], start: int,
+             limit: int | None = None) -> tuple[np.ndarray, int]:
+    """The chunk of `prompt` starting at `start` (at most `limit` tokens), padded to
+    chunk_size; and its real length."""
+    size = inst.pool.chunk_size if limit is None else min(limit, inst.pool.chunk_size)
+    piece = prompt[start:start + size]
     tokens = np.zeros(inst.pool.chunk_size, np.int32)
     tokens[:len(piece)] = piece
     return tokens, len(piece)

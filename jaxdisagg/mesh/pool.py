@@ -32,6 +32,7 @@ from jaxdisagg.model.paged import (
     prefill_chunk,
     prefill_chunk_group,
 )
+from jaxdisagg.model.sampling import sample_rows
 from jaxdisagg.pallas.attention import resolve_backend
 
 
@@ -130,19 +131,20 @@ class PoolInstance:
 
     # ---------------------------------------------------------------- warm-up
 
-    def warmup(self, prefill: bool = True, decode: bool = True) -> None:
+    def warmup(self, prefill: bool = True, decode: bool = True, streaming: bool = True) -> None:
         """Compiles every program this instance serves with (on throwaway pages)."""
         c, p, b = self.pool.chunk_size, self.max_pages, self.pool.max_slots
         table = np.full(p, self.layout.num_blocks - 1, np.int32)
         if prefill:
             tokens = np.zeros(c, np.int32)
-            jax.block_until_ready(self.prefill(tokens, 0, 1, table))
-            if len(self.groups) > 1:  # layer streaming on
+            sample_rows(self.prefill(tokens, 0, 1, table)[None], [None], [0])
+            if streaming and len(self.groups) > 1:  # layer streaming on
                 out = tokens
                 for i in range(len(self.groups)):
                     out = self.prefill_group(i, out, 0, 1, table)
-                jax.block_until_ready(out)
+                sample_rows(out[None], [None], [0])
         if decode:
             zeros = np.zeros(b, np.int32)
-            jax.block_until_ready(self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros))
+            logits = self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros)
+            sample_rows(logits, [None] * b, [0] * b)  # the serving loop samples on device
         self.kv = self._allocate()  # warm-up wrote into the last block: start clean

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclass(frozen=True)
@@ -20,8 +21,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int = 0
     max_tokens: int = 16
+    logprobs: bool = False  # return each generated token's log-probability
+    stop: tuple[str, ...] = ()  # stop strings (the engine matches them on decoded text)
 
     def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
         checks = [
             ("temperature", self.temperature >= 0, "must be >= 0 (0 is greedy)"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
@@ -30,6 +35,8 @@ class SamplingParams:
             ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0,
              "must be a positive int"),
             ("seed", isinstance(self.seed, int), "must be an int"),
+            ("stop", all(isinstance(x, str) and x for x in self.stop),
+             "must be non-empty strings"),
         ]
         for field, ok, why in checks:
             if not ok:
@@ -55,6 +62,33 @@ def _sample_row(logits, key, temperature, top_k, top_p):
 def sample(logits, keys, temperature, top_k, top_p):
     """logits [B, V]; keys [B] typed PRNG keys; per-row params [B] -> tokens [B] int32."""
     return jax.vmap(_sample_row)(logits, keys, temperature, top_k, top_p)
+
+
+@jax.jit
+def sample_logprobs(logits, keys, temperature, top_k, top_p):
+    """Like `sample`, plus each chosen token's log-probability under the model's
+    (unfiltered, temperature 1) distribution: tokens [B] int32, logprobs [B] fp32."""
+    tokens = jax.vmap(_sample_row)(logits, keys, temperature, top_k, top_p)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+def sample_rows(logits, params: list[SamplingParams | None], steps: list[int]):
+    """Samples B rows of logits [B, V] with per-row params (None: an empty row).
+
+    Returns numpy (tokens [B], logprobs [B]). Token `steps[i]` of row i's request
+    draws with fold_in(key(seed), steps[i]), the convention every engine shares.
+    """
+    b = len(params)
+    temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    for i, p in enumerate(params):
+        if p is not None:
+            temperature[i], top_k[i], top_p[i], seeds[i] = (p.temperature, p.top_k, p.top_p,
+                                                            p.seed)
+    tokens, logprobs = sample_logprobs(logits, row_keys(seeds, np.asarray(steps, np.int32)),
+                                       temperature, top_k, top_p)
+    return np.asarray(tokens), np.asarray(logprobs)
 
 
 def row_keys(seeds, steps):

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdisagg.mesh.pool import PoolInstance
-from jaxdisagg.model.sampling import SamplingParams, row_keys, sample
+from jaxdisagg.model.sampling import SamplingParams, sample_rows
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 
 
@@ -31,6 +30,7 @@ class Sequence:
     stop_ids: frozenset[int]
     blocks: list[int] = field(default_factory=list)  # pages holding prompt + generated KV
     tokens: list[int] = field(default_factory=list)  # generated so far, first token included
+    logprobs: list[float] = field(default_factory=list)  # one per generated token
     finish_reason: str | None = None  # "stop" | "length"
     admitted_order: int = 0
 
@@ -49,7 +49,7 @@ class Sequence:
 
 @dataclass
 class StepResult:
-    tokens: list[tuple[str, int]]  # (request id, new token) for every active slot
+    tokens: list[tuple[str, int, float]]  # (request id, new token, logprob) per active slot
     finished: list[Sequence]
     preempted: list[Sequence]  # blocks freed; recompute prompt + tokens to resume
 
@@ -65,6 +65,9 @@ class DecodeScheduler:
     @property
     def active(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
+
+    def find(self, request_id: str) -> Sequence | None:
+        return next((s for s in self.active if s.request_id == request_id), None)
 
     def free_slots(self) -> int:
         return self.slots.count(None)
@@ -118,22 +121,20 @@ class DecodeScheduler:
         b, p = len(self.slots), self.inst.max_pages
         tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
         tables = np.zeros((b, p), np.int32)
-        temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-        top_k, seeds, steps = (np.zeros(b, np.int32) for _ in range(3))
+        params, steps = [None] * b, [0] * b
         for i, seq in active:
             tokens[i], positions[i] = seq.tokens[-1], seq.last_position
             lens[i] = seq.last_position + 1
             tables[i, :len(seq.blocks)] = seq.blocks
-            temperature[i], top_k[i], top_p[i] = (seq.params.temperature, seq.params.top_k,
-                                                  seq.params.top_p)
-            seeds[i], steps[i] = seq.params.seed, len(seq.tokens)
+            params[i], steps[i] = seq.params, len(seq.tokens)
         logits = self.inst.decode(tokens, positions, tables, lens)
-        new = np.asarray(sample(logits, row_keys(seeds, steps), jnp.asarray(temperature),
-                                jnp.asarray(top_k), jnp.asarray(top_p)))
+        new, logprobs = sample_rows(logits, params, steps)
         out, finished = [], []
         for i, seq in active:
-            seq.tokens.append(int(new[i]))
-            out.append((seq.request_id, int(new[i])))
+            token = int(new[i])
+            seq.tokens.append(token)
+            seq.logprobs.append(float(logprobs[i]))
+            out.append((seq.request_id, token, float(logprobs[i])))
             seq.finish_reason = seq.finish_check()
             if seq.finish_reason:
                 finished.append(self._retire(i))

@@ -1,30 +1,52 @@
-"""The Python API over the disaggregated core: submit, stream, generate, cancel.
+"""The Python API: `Engine.from_config(...)`, then submit / stream / generate / cancel.
 
-One background thread owns the core (and so both pools' programs and pages) and
-steps it while there is work. Callers talk to it only through a lock-protected
-inbox and per-request event queues, so `stream()` yields tokens as they are
-produced and `cancel()` works from any thread. `close()` (or leaving the `with`
-block) stops the thread and joins it.
+An engine is a router in front of pool workers (`workers.py`), one thread per
+worker, so the prefill pool and the decode pool run at the same time on their own
+devices. `DisaggregatedEngine` sends a prompt to the prefill instance with the best
+prefix hit and its KV on to the least loaded decode instance (prompts of at most
+`router.local_prefill_threshold` tokens are prefilled on the decode instance
+itself); `ColocatedEngine` gives each prompt to one instance that piggybacks its
+prefill chunks onto its decode batch, the founding article's baseline.
 
-This is the first cut of issue 5's API: one prefill and one decode instance, in-process
-transfer. The router over several instances, the colocated engine, the asyncio
-variant and metrics build on it.
+Callers see requests only through the engine's lock-protected tables and
+per-request event sinks; workers report through the `Listener` methods below
+(token, mark, finish, is_cancelled). `close()`, or leaving the `with` block,
+stops and joins every thread, then frees whatever was still in flight.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import statistics
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from jaxdisagg.mesh.config import DeploymentConfig
+from jaxdisagg.mesh.config import ConfigError, DeploymentConfig, RouterConfig, load_config
 from jaxdisagg.mesh.deployment import Deployment
 from jaxdisagg.model.sampling import SamplingParams
 from jaxdisagg.model.tokenizer import IncrementalDecoder
-from jaxdisagg.serve.core import DisaggregatedCore
+from jaxdisagg.serve.kv_cache import BlockManager
+from jaxdisagg.serve.prefill import PrefillJob
+from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
+
+# Lifecycle marks, in the order a disaggregated request passes them.
+STAGES = ("arrival", "prefill_start", "prefill_end", "transfer_start", "transfer_end",
+          "decode_insert", "first_token", "finish")
+
+
+class QueueFull(RuntimeError):
+    """The engine holds router.max_requests requests already; retry later."""
+
+
+class UnknownRequestError(KeyError, ValueError):
+    """No such request in flight (or its result was already taken)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 @dataclass
@@ -33,44 +55,100 @@ class Result:
     prompt_ids: list[int]
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
-    cached_tokens: int = 0
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error: ..."
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    logprobs: list[float] | None = None  # when SamplingParams.logprobs
     ttft_s: float | None = None
     tbt_s: list[float] = field(default_factory=list)
     e2e_s: float | None = None
+    timeline: dict[str, float] = field(default_factory=dict)  # STAGES, seconds from arrival
+    transfer_bytes: int = 0
+    route: dict[str, str] = field(default_factory=dict)  # stage -> worker name
+    preemptions: int = 0
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    events: queue.Queue = field(default_factory=queue.Queue)  # ("token", id) | ("done", Result)
+    sink: Callable[[tuple], None]  # ("token", id, text delta, logprob) | ("done", Result)
+    decoder: IncrementalDecoder | None
     arrival: float = field(default_factory=time.perf_counter)
+    marks: dict[str, float] = field(default_factory=dict)
+    info: Counter = field(default_factory=Counter)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
+    text: str = ""
+    stopped: bool = False  # a stop string matched: later tokens are dropped
+    route: dict[str, str] = field(default_factory=dict)
+    load_slot: int | None = None  # the decode worker counted in the router's load
+    prefill_slot: int | None = None  # the prefill worker whose queued tokens count it
 
 
 class Engine:
-    def __init__(self, deployment: Deployment):
+    """Common API; the subclasses build their workers and route requests."""
+
+    def __init__(self, deployment: Deployment, *, start: bool = True,
+                 router: RouterConfig | None = None):
         self.deployment = deployment
+        self.config: DeploymentConfig = deployment.config
+        self.router = router or self.config.router
         self.tokenizer = deployment.tokenizer
         self.vocab_size = deployment.model.config.vocab_size
-        self._core = DisaggregatedCore(deployment)
-        self._cap = self._core.prefill.inst.max_pages * self._core.prefill_blocks.block_size
+        self.eos_ids = frozenset(deployment.model.config.eos_token_ids)
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._inbox: list[tuple[str, object]] = []
         self._live: dict[str, _Request] = {}  # in flight
-        self._requests: dict[str, _Request] = {}  # submitted, result not yet taken
+        self._results: dict[str, queue.Queue] = {}  # submitted, result not yet taken
+        self._cancelled: set[str] = set()
         self._ids = itertools.count()
-        self._stopping = False
-        self._thread = threading.Thread(target=self._loop, name="jaxdisagg-engine", daemon=True)
-        self._thread.start()
+        self._recent: deque[Result] = deque(maxlen=1024)
+        self._counts: Counter = Counter()
+        self._stopping = threading.Event()
+        self.decoders: list[DecodeWorker] = []
+        self.prefillers: list[PrefillWorker] = []
+        self._build_workers()
+        self._load = [0] * len(self.decoders)  # requests routed to each decode worker
+        self._queued = [0] * len(self.prefillers)  # prompt tokens routed, not yet prefilled
+        self._cap = min(w.inst.max_pages * w.blocks.block_size for w in self.workers)
+        self._threads: list[threading.Thread] = []
+        for w in self.workers:
+            w.wake = threading.Event()
+        if start:
+            for w in self.workers:
+                t = threading.Thread(target=self._run, args=(w,), name=f"jaxdisagg-{w.name}",
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
 
     @classmethod
-    def from_config(cls, config: str | DeploymentConfig, progress: bool = False) -> Engine:
-        return cls(Deployment.build(config, progress=progress))
+    def from_config(cls, config: str | DeploymentConfig, *, progress: bool = False,
+                    start: bool = True, router: RouterConfig | None = None) -> Engine:
+        """The engine the config's mode asks for, built, warmed up and running."""
+        cfg = load_config(config) if isinstance(config, str) else config
+        if cfg.transfer.kind == "cross_process":
+            raise ConfigError("transfer.kind: 'cross_process' pools run in separate "
+                              "processes; start them with `jaxdisagg launch --config ...`")
+        engine_cls = ColocatedEngine if cfg.mode == "colocated" else DisaggregatedEngine
+        if cls not in (Engine, engine_cls):
+            raise ConfigError(f"mode: {cfg.mode!r} configs run on {engine_cls.__name__}, "
+                              f"not {cls.__name__}")
+        return engine_cls(Deployment.build(cfg, progress=progress), start=start, router=router)
+
+    @property
+    def workers(self) -> list:
+        return [*self.prefillers, *self.decoders]
+
+    def _build_workers(self) -> None:
+        raise NotImplementedError
+
+    def _route(self, req: _Request) -> None:
+        raise NotImplementedError
+
+    def _least_loaded(self, candidates) -> int:
+        return min(candidates, key=lambda j: (self._load[j], self.decoders[j].blocks.num_used))
 
     # ------------------------------------------------------------ requests
 
@@ -82,7 +160,10 @@ class Engine:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            ids = [int(t) for t in prompt]
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError):
+                raise ValueError("prompt: expected text or a list of token ids") from None
         if not ids:
             raise ValueError("prompt: must not be empty")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -92,70 +173,89 @@ class Engine:
         return ids
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, stop_token_ids: Sequence[int] | None = None
-               ) -> str:
-        """Queues a request; returns its id. Bad input raises ValueError naming the field."""
+               request_id: str | None = None, stop_token_ids: Sequence[int] | None = None,
+               *, _sink: Callable[[tuple], None] | None = None) -> str:
+        """Queues a request; returns its id. Bad input raises ValueError naming the field;
+        a full engine raises QueueFull."""
         params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
         ids = self._prompt_ids(prompt)
         if len(ids) + params.max_tokens > self._cap:
             raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} "
                              f"exceed the context of {self._cap} tokens")
-        stops = frozenset(self.deployment.model.config.eos_token_ids if stop_token_ids is None
-                          else stop_token_ids)
+        if stop_token_ids is not None:
+            bad = [t for t in stop_token_ids if not 0 <= int(t) < self.vocab_size]
+            if bad:
+                raise ValueError(f"stop_token_ids: outside the vocabulary: {bad[:5]}")
+        stops = self.eos_ids if stop_token_ids is None else frozenset(map(int, stop_token_ids))
+        if params.stop and self.tokenizer is None:
+            raise ValueError("params.stop: stop strings need a tokenizer")
         with self._lock:
-            if self._stopping:
+            if self._stopping.is_set():
                 raise RuntimeError("the engine is closed")
+            if len(self._live) >= self.router.max_requests:
+                raise QueueFull(f"{len(self._live)} requests in flight "
+                                f"(router.max_requests = {self.router.max_requests})")
             request_id = request_id or f"req-{next(self._ids)}"
-            if request_id in self._requests:
+            if request_id in self._results or request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
-            req = _Request(request_id, ids, params, stops)
-            self._live[request_id] = self._requests[request_id] = req
-            self._inbox.append(("add", req))
-        self._wake.set()
+            results: queue.Queue = queue.Queue()
+            req = _Request(request_id, ids, params, stops, _sink or results.put,
+                           IncrementalDecoder(self.tokenizer) if self.tokenizer else None)
+            req.marks["arrival"] = req.arrival
+            self._live[request_id] = req
+            self._results[request_id] = results
+            self._route(req)
         return request_id
 
     def cancel(self, request_id: str) -> None:
+        """Stops a request wherever it is; its Result ends with finish_reason 'cancelled'."""
         with self._lock:
-            if request_id not in self._live:
-                raise KeyError(f"request_id: no request {request_id!r} in flight")
-            self._inbox.append(("cancel", request_id))
-        self._wake.set()
+            req = self._live.get(request_id)
+            if req is None:
+                raise UnknownRequestError(f"request_id: no request {request_id!r} in flight")
+            self._cancelled.add(request_id)
+        self._post_cancel(req)
+
+    def _post_cancel(self, req: _Request) -> None:
+        for w in self.workers:
+            if w.name in req.route.values():
+                w.post("cancel", req.request_id)
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                **kwargs) -> Iterator[tuple[int, str]]:
         """Yields (token id, text delta) as tokens are produced; cancels if abandoned."""
-        rid = self.submit(prompt, params, **kwargs)
-        req = self._requests[rid]
-        decoder = IncrementalDecoder(self.tokenizer) if self.tokenizer else None
+        events: queue.Queue = queue.Queue()
+        rid = self.submit(prompt, params, _sink=events.put, **kwargs)
+        self._results.pop(rid, None)
         finished = False
         try:
             while True:
-                kind, value = req.events.get()
-                if kind == "done":
+                event = events.get()
+                if event[0] == "done":
                     finished = True
-                    self._requests.pop(rid, None)
                     return
-                yield value, decoder.push(value) if decoder else ""
+                yield event[1], event[2]
         finally:
             if not finished:
                 try:
                     self.cancel(rid)
                 except KeyError:
                     pass
-                self._requests.pop(rid, None)
 
     def result(self, request_id: str, timeout: float | None = None) -> Result:
         """Waits for a submitted request's Result (each result can be taken once)."""
-        req = self._requests.get(request_id)
-        if req is None:
-            raise KeyError(f"request_id: no pending request {request_id!r}")
+        results = self._results.get(request_id)
+        if results is None:
+            raise UnknownRequestError(f"request_id: no pending request {request_id!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            kind, value = req.events.get(timeout=left)
-            if kind == "done":
-                self._requests.pop(request_id, None)
-                return value
+            event = results.get(timeout=left)
+            if event[0] == "done":
+                self._results.pop(request_id, None)
+                return event[1]
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[Result]:
@@ -164,73 +264,243 @@ class Engine:
         ids = [self.submit(p, sp) for p, sp in zip(prompts, many, strict=True)]
         return [self.result(rid) for rid in ids]
 
-    # ------------------------------------------------------------ the loop
+    # ------------------------------------------------------------ the Listener side
 
-    def _loop(self) -> None:
-        core = self._core
-        while True:
-            with self._lock:
-                inbox, self._inbox = self._inbox, []
-                stopping = self._stopping
-            for kind, item in inbox:
-                if kind == "add":
-                    try:
-                        core.add_request(item.request_id, item.prompt, item.params,
-                                         item.stop_ids)
-                    except ValueError as e:  # the request fails, the loop goes on
-                        core.finish(item.request_id, [], f"error: {e}")
-                elif kind == "cancel":
-                    core.cancel(item)
-            if stopping:
-                for rid in list(self._live):
-                    core.cancel(rid)
-                self._deliver([])
-                return
-            if core.idle:
-                self._deliver([])  # cancellations finish without a step
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                emitted = core.step()
-            except Exception as e:  # noqa: BLE001 - fail the requests, keep the thread alive
-                for rid in list(self._live):
-                    if core.cancel(rid):
-                        core.finished[rid].finish_reason = f"error: {type(e).__name__}: {e}"
-                emitted = []
-            self._deliver(emitted)
-
-    def _deliver(self, emitted: list[tuple[str, int]]) -> None:
+    def token(self, request_id: str, token: int, logprob: float) -> None:
         now = time.perf_counter()
-        for rid, token in emitted:
-            req = self._live.get(rid)
-            if req is not None:
-                req.token_times.append(now)
-                req.events.put(("token", token))
-        for rid in list(self._core.finished):
-            fin = self._core.finished.pop(rid)
-            with self._lock:
-                req = self._live.pop(rid, None)
+        req = self._live.get(request_id)
+        if req is None or req.stopped:
+            return
+        req.tokens.append(token)
+        req.logprobs.append(logprob)
+        req.token_times.append(now)
+        req.marks.setdefault("first_token", now)
+        delta = req.decoder.push(token) if req.decoder else ""
+        if req.params.stop:
+            before = len(req.text)
+            req.text += delta
+            hit = min((i for i in (req.text.find(s, max(0, before - len(s) + 1))
+                                   for s in req.params.stop) if i >= 0), default=-1)
+            if hit >= 0:  # cut the text before the stop string and end the request
+                req.stopped = True
+                delta = req.text[before:hit] if hit > before else ""
+                req.text = req.text[:hit]
+                with self._lock:
+                    self._cancelled.add(request_id)
+                self._post_cancel(req)
+        req.sink(("token", token, delta, logprob))
+
+    def mark(self, request_id: str, event: str, at: float | None = None, **info) -> None:
+        req = self._live.get(request_id)
+        if req is None:
+            return
+        if event == "prefill_end":
+            self._unqueue(req)
+        if event == "preempted":
+            req.info["preemptions"] += 1
+        else:
+            req.marks.setdefault(event, at or time.perf_counter())
+        req.info.update(info)
+
+    def _unqueue(self, req: _Request) -> None:
+        with self._lock:
+            if req.prefill_slot is not None:
+                self._queued[req.prefill_slot] -= len(req.prompt)
+                req.prefill_slot = None
+
+    def is_cancelled(self, request_id: str) -> bool:
+        return request_id in self._cancelled
+
+    def finish(self, request_id: str, tokens: list[int], reason: str,
+               cached_tokens: int = 0) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            req = self._live.pop(request_id, None)
+            self._cancelled.discard(request_id)
             if req is None:
-                continue
-            times = req.token_times
-            text = self.tokenizer.decode(fin.tokens) if self.tokenizer else None
-            req.events.put(("done", Result(
-                rid, req.prompt, fin.tokens, text, fin.finish_reason, fin.cached_tokens,
-                ttft_s=times[0] - req.arrival if times else None,
-                tbt_s=[b - a for a, b in zip(times, times[1:], strict=False)],
-                e2e_s=now - req.arrival)))
+                return  # already finished: every request ends exactly once
+            if req.load_slot is not None:
+                self._load[req.load_slot] -= 1
+        self._unqueue(req)
+        if req.stopped:
+            tokens, reason = req.tokens, "stop"
+        req.marks["finish"] = now
+        times = req.token_times
+        text = None
+        if self.tokenizer is not None:
+            text = req.text if req.params.stop else self.tokenizer.decode(tokens)
+        result = Result(
+            request_id, req.prompt, list(tokens), text, reason,
+            cached_tokens or int(req.info.get("cached_tokens", 0)),
+            logprobs=list(req.logprobs[:len(tokens)]) if req.params.logprobs else None,
+            ttft_s=times[0] - req.arrival if times else None,
+            tbt_s=[b - a for a, b in zip(times, times[1:], strict=False)],
+            e2e_s=now - req.arrival,
+            timeline={k: req.marks[k] - req.arrival for k in STAGES if k in req.marks},
+            transfer_bytes=int(req.info.get("transfer_bytes", 0)), route=dict(req.route),
+            preemptions=int(req.info.get("preemptions", 0)))
+        with self._lock:
+            self._recent.append(result)
+            self._counts["finished"] += 1
+            self._counts[reason.split(":")[0]] += 1
+            self._counts["generated_tokens"] += len(tokens)
+        req.sink(("done", result))
+
+    # ------------------------------------------------------------ the threads
+
+    def _run(self, worker) -> None:
+        while not self._stopping.is_set():
+            worker.wake.clear()
+            try:
+                busy = worker.step()
+            except Exception as e:  # noqa: BLE001 - fail its requests, keep serving the rest
+                self._fail(worker, e)
+                busy = False
+            if not busy:  # blocked work (a full queue, no blocks) is retried soon
+                worker.wake.wait(0.05 if worker.idle else 0.002)
+
+    def _fail(self, worker, error: Exception) -> None:
+        with self._lock:
+            held = [r for r in self._live.values() if worker.name in r.route.values()]
+        for req in held:
+            self.finish(req.request_id, req.tokens, f"error: {type(error).__name__}: {error}")
+            self._post_cancel(req)  # other workers holding it free their blocks
+
+    def step_all(self) -> bool:
+        """Steps every worker once in the caller's thread (engines built with
+        start=False: deterministic tests and single-threaded tools)."""
+        if self._threads:
+            raise RuntimeError("the engine runs its own threads; step_all needs start=False")
+        busy = False
+        for w in self.workers:
+            busy |= w.step()
+        return busy
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        for _ in range(max_steps):
+            if not self._live:
+                return
+            self.step_all()
+        raise RuntimeError(f"requests still in flight after {max_steps} steps")
+
+    # ------------------------------------------------------------ metrics
+
+    def metrics(self) -> dict:
+        """Engine counters, latency percentiles over the last 1024 results, and every
+        worker's gauges (queues, slots, KV blocks, prefix hit rate, transfer bytes)."""
+        with self._lock:
+            recent = list(self._recent)
+            counts = dict(self._counts)
+            in_flight = len(self._live)
+
+        def pct(values, q):
+            if not values:
+                return None
+            values = sorted(values)
+            return values[min(len(values) - 1, int(q / 100 * len(values)))]
+
+        ttft = [r.ttft_s for r in recent if r.ttft_s is not None]
+        tbt = [t for r in recent for t in r.tbt_s]
+        e2e = [r.e2e_s for r in recent if r.e2e_s is not None]
+        latency = {f"{name}_p{q}_s": pct(v, q) for name, v in
+                   (("ttft", ttft), ("tbt", tbt), ("e2e", e2e)) for q in (50, 90, 99)}
+        latency["tbt_mean_s"] = statistics.fmean(tbt) if tbt else None
+        return {"mode": self.config.mode, "in_flight": in_flight,
+                "requests": {k: counts.get(k, 0) for k in
+                             ("finished", "stop", "length", "cancelled", "error")},
+                "generated_tokens": counts.get("generated_tokens", 0),
+                "latency": latency, "pools": {w.name: w.gauges() for w in self.workers}}
+
+    def block_managers(self) -> dict[str, BlockManager]:
+        return {w.name: w.blocks for w in self.workers}
 
     # ------------------------------------------------------------ lifecycle
 
     def close(self) -> None:
+        """Stops the threads, then cancels what is left so every block comes back."""
         with self._lock:
-            self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=60)
+            if self._stopping.is_set():
+                return
+            self._stopping.set()
+            left = list(self._live.values())
+            self._cancelled.update(r.request_id for r in left)
+        for w in self.workers:
+            w.wake.set()
+        for t in self._threads:
+            t.join(timeout=120)
+        for req in left:
+            self._post_cancel(req)
+        for _ in range(3):  # cancels reach every holder (a handoff may sit in a queue)
+            for w in self.workers:
+                w.drain()
+        for req in left:
+            self.finish(req.request_id, req.tokens, "cancelled")
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class DisaggregatedEngine(Engine):
+    """Prefill instances -> KV transfer -> decode instances, each on its own thread."""
+
+    def _build_workers(self) -> None:
+        dep = self.deployment
+        if self.config.mode != "disaggregated" or not dep.transfers:
+            raise ValueError("DisaggregatedEngine needs an in-process disaggregated deployment")
+        for j, inst in enumerate(dep.pools["decode"]):
+            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
+                                  prefix_cache=False)
+            transfers = {i: t for (i, jj), t in dep.transfers.items() if jj == j}
+            self.decoders.append(DecodeWorker(f"decode[{j}]", inst, blocks, transfers, self,
+                                              self.router.handoff_queue))
+        for i, inst in enumerate(dep.pools["prefill"]):
+            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
+                                  prefix_cache=self.router.prefix_cache)
+            transfers = {j: t for (ii, j), t in dep.transfers.items() if ii == i}
+            self.prefillers.append(PrefillWorker(i, inst, blocks, transfers, self.decoders,
+                                                 self))
+
+    def _route(self, req: _Request) -> None:
+        j = self._least_loaded(range(len(self.decoders)))
+        self._load[j] += 1
+        req.load_slot = j
+        job = PrefillJob(req.request_id, req.prompt, req.params, req.stop_ids, target=j)
+        decode = self.decoders[j]
+        req.route["decode"] = decode.name
+        if len(req.prompt) <= self.router.local_prefill_threshold:
+            req.route["prefill"] = decode.name  # conditional disaggregation: no transfer
+            decode.post("job", job)
+            return
+        # Best prefix hit first (skipped tokens), then the shortest queue.
+        i = max(range(len(self.prefillers)),
+                key=lambda i: (self.prefillers[i].blocks.peek_prefix(req.prompt), -self._queued[i]))
+        self._queued[i] += len(req.prompt)
+        req.prefill_slot = i
+        req.route["prefill"] = self.prefillers[i].name
+        self.prefillers[i].post("job", job)
+
+
+class ColocatedEngine(Engine):
+    """One pool: every instance prefills (piggybacked on its decode batch) and decodes."""
+
+    def _build_workers(self) -> None:
+        if self.config.mode != "colocated":
+            raise ValueError("ColocatedEngine needs a colocated deployment")
+        for j, inst in enumerate(self.deployment.pools["colocated"]):
+            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
+                                  prefix_cache=self.router.prefix_cache)
+            self.decoders.append(DecodeWorker(f"colocated[{j}]", inst, blocks, {}, self,
+                                              self.router.handoff_queue))
+
+    def _route(self, req: _Request) -> None:
+        j = max(range(len(self.decoders)),
+                key=lambda j: (self.decoders[j].blocks.peek_prefix(req.prompt), -self._load[j]))
+        self._load[j] += 1
+        req.load_slot = j
+        w = self.decoders[j]
+        req.route["prefill"] = req.route["decode"] = w.name
+        w.post("job", PrefillJob(req.request_id, req.prompt, req.params, req.stop_ids,
+                                 target=j))

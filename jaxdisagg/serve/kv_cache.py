@@ -73,6 +73,22 @@ class BlockManager:
     def refcount(self, block: int) -> int:
         return int(self._refs[block])
 
+    def hit_rate(self) -> float:
+        """Fraction of queried prompt tokens served from the prefix cache."""
+        return self.stats["hit_tokens"] / max(1, self.stats["queried_tokens"])
+
+    def peek_prefix(self, tokens: Sequence[int]) -> int:
+        """How many blocks `match_prefix` would take from device memory now; changes
+        nothing, so a router may call it from another thread (dict lookups only)."""
+        if not self.prefix_cache:
+            return 0
+        n = 0
+        for key in block_hashes(tokens[:max(0, len(tokens) - 1)], self.block_size):
+            if key not in self._block_of:
+                break
+            n += 1
+        return n
+
     # ------------------------------------------------------------ allocation
 
     def allocate(self, n: int) -> list[int]:

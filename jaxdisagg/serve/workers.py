@@ -1,0 +1,340 @@
+"""Pool workers: the single-threaded step logic of one prefill or decode instance.
+
+Each worker owns one pool instance (its programs, pages and block accounting), so
+only the worker's own thread ever touches them. Workers talk through queues:
+
+    router --job--> PrefillWorker --Handoff (bounded queue)--> DecodeWorker --> tokens
+    router --job (short prompt, or colocated)----------------> DecodeWorker
+
+* `PrefillWorker.step` prefills up to a token budget of its FCFS queue. A finished
+  job's KV is already moving to its decode instance when the handoff is queued; the
+  prefill blocks go back to the prefix cache at once (the staged copy is separate).
+  When the target's handoff queue is full the last chunk waits: backpressure.
+* `DecodeWorker.step` admits what is ready (locally prefilled, or transferred:
+  blocks allocated, KV inserted) into free slots, piggybacks one local prefill
+  chunk (short prompts, recomputation after preemption, or every prompt when
+  colocated), and runs one decode step for all slots.
+
+Workers report through a `Listener` (the engine): tokens as they are sampled,
+lifecycle marks, and every request's end exactly once. A cancel reaches every
+worker that may hold the request; whoever holds it frees its blocks and reports.
+A request caught between workers (in a handoff queue) is dropped by the decode
+worker when it arrives, because the listener says it was cancelled.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections import deque
+from typing import Protocol
+
+import jax
+
+from jaxdisagg.mesh.pool import PoolInstance
+from jaxdisagg.serve.decode import DecodeScheduler, Sequence
+from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
+from jaxdisagg.serve.prefill import Handoff, PrefillJob, PrefillScheduler
+
+
+class Listener(Protocol):
+    """What workers report to; every method is called from worker threads."""
+
+    def token(self, request_id: str, token: int, logprob: float) -> None: ...
+
+    def mark(self, request_id: str, event: str, at: float | None = None, **info) -> None: ...
+
+    def finish(self, request_id: str, tokens: list[int], reason: str,
+               cached_tokens: int = 0) -> None: ...
+
+    def is_cancelled(self, request_id: str) -> bool: ...
+
+
+def _first_token_ends(job: PrefillJob, token: int) -> str | None:
+    if token in job.stop_ids:
+        return "stop"
+    return "length" if job.params.max_tokens <= 1 else None
+
+
+class _Worker:
+    def __init__(self, name: str, listener: Listener):
+        self.name, self.listener = name, listener
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("job", PrefillJob) | ("cancel", id)
+        self.wake = None  # set by the engine: a threading.Event to poke on new work
+
+    def _started(self, job: PrefillJob) -> None:
+        if not job.resume:
+            self.listener.mark(job.request_id, "prefill_start", job.started_at,
+                               cached_tokens=job.cached_tokens)
+
+    def post(self, kind: str, item) -> None:
+        self.inbox.put((kind, item))
+        if self.wake is not None:
+            self.wake.set()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "job":
+                self._accept(item)
+            elif kind == "cancel":
+                self._cancel(item)
+
+    def drain(self) -> None:
+        """Handles what is posted without running any program (used at shutdown)."""
+        self._drain_inbox()
+
+    def _accept(self, job: PrefillJob) -> None:
+        try:
+            self.scheduler.submit(job)
+        except ValueError as e:  # the request fails alone; the worker goes on
+            self.listener.finish(job.request_id, [], f"error: {e}")
+
+    def _cancel(self, request_id: str) -> None:
+        job = self.scheduler.cancel(request_id)
+        if job is not None:
+            self.listener.finish(request_id, [], "cancelled")
+
+
+class PrefillWorker(_Worker):
+    def __init__(self, index: int, inst: PoolInstance, blocks: BlockManager, transfers: dict,
+                 decoders: list[DecodeWorker], listener: Listener):
+        super().__init__(f"prefill[{index}]", listener)
+        self.index, self.inst, self.blocks, self.decoders = index, inst, blocks, decoders
+        self.scheduler = PrefillScheduler(inst, blocks, transfers)
+        self.scheduler.on_start = self._started
+        self._outgoing: deque[Handoff] = deque()  # a full target queue: retried next step
+        self.bytes_sent = 0
+        self.transfers_done = 0
+
+    def _room(self, job: PrefillJob, finishing: list[PrefillJob]) -> bool:
+        """Backpressure: a job's last chunk runs only if its handoff fits the queue."""
+        target = self.decoders[job.target]
+        waiting = sum(h.job.target == job.target for h in self._outgoing)
+        waiting += sum(j.target == job.target for j in finishing)
+        if target.handoffs.maxsize - target.handoffs.qsize() - waiting <= 0:
+            return False
+        finishing.append(job)
+        return True
+
+    def step(self) -> bool:
+        """One scheduling round; False when there was nothing to do."""
+        self._drain_inbox()
+        self._send()
+        if not self.scheduler.queue:
+            return False
+        head = self.scheduler.queue[0]
+        before = head.next_pos
+        finishing: list[PrefillJob] = []
+        handoffs = self.scheduler.step(may_finish=lambda job: self._room(job, finishing))
+        for h in handoffs:
+            self._hand_off(h)
+        self._send()
+        return bool(handoffs) or head.next_pos != before
+
+    def _hand_off(self, h: Handoff) -> None:
+        job = h.job
+        self.scheduler.release(h)  # the pages are staged for the transfer already
+        self.listener.mark(job.request_id, "prefill_end", h.done_at)
+        if h.tickets:
+            self.listener.mark(job.request_id, "transfer_start",
+                               h.tickets[0].dispatched_at, transfer_bytes=h.nbytes)
+        self.listener.token(job.request_id, h.first_token, h.first_logprob)
+        reason = _first_token_ends(job, h.first_token)
+        if reason or self.listener.is_cancelled(job.request_id):
+            self.listener.finish(job.request_id, [h.first_token],
+                                 reason or "cancelled", job.cached_tokens)
+            return  # the staged KV is simply dropped
+        self.bytes_sent += h.nbytes
+        self.transfers_done += 1
+        h.source = self.index
+        self._outgoing.append(h)
+
+    def _send(self) -> None:
+        """Queues finished handoffs at their decode instances (another prefill instance
+        may have filled a queue since `_room` looked: those wait for the next step)."""
+        for _ in range(len(self._outgoing)):
+            h = self._outgoing.popleft()
+            target = self.decoders[h.job.target]
+            try:
+                target.handoffs.put_nowait(h)
+            except queue.Full:
+                self._outgoing.append(h)
+                continue
+            if target.wake is not None:
+                target.wake.set()
+
+    def _cancel(self, request_id: str) -> None:
+        for h in self._outgoing:
+            if h.job.request_id == request_id:
+                self._outgoing.remove(h)
+                self.listener.finish(request_id, [h.first_token], "cancelled",
+                                     h.job.cached_tokens)
+                return
+        super()._cancel(request_id)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.scheduler.queue or self._outgoing)
+
+    def gauges(self) -> dict:
+        return {"queued_requests": len(self.scheduler.queue),
+                "queued_tokens": self.scheduler.queued_tokens(),
+                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
+                "prefix_hit_rate": self.blocks.hit_rate(),
+                "transfer_bytes": self.bytes_sent, "transfers": self.transfers_done}
+
+
+class DecodeWorker(_Worker):
+    """A decode instance (disaggregated) or a whole colocated instance."""
+
+    def __init__(self, name: str, inst: PoolInstance, blocks: BlockManager, transfers: dict,
+                 listener: Listener, handoff_queue: int = 4):
+        super().__init__(name, listener)
+        self.inst, self.blocks = inst, blocks
+        self.transfers = transfers  # prefill instance index -> transfer (insert side)
+        self.scheduler = PrefillScheduler(inst, blocks)  # local prefill, piggybacked
+        self.scheduler.on_start = self._started
+        self.decode = DecodeScheduler(inst, blocks)
+        self.handoffs: queue.Queue[Handoff] = queue.Queue(maxsize=handoff_queue)
+        self.ready: deque[Handoff] = deque()  # prefilled, waiting for a slot (and blocks)
+        self._resume: dict[str, Sequence] = {}  # preempted, being recomputed locally
+        self.bytes_received = 0
+
+    # ---------------------------------------------------------------- cancel
+
+    def _cancel(self, request_id: str) -> None:
+        seq = self._resume.pop(request_id, None)
+        job = self.scheduler.cancel(request_id)
+        if job is not None:
+            self.listener.finish(request_id, seq.tokens if seq else [], "cancelled")
+            return
+        for h in self.ready:
+            if h.job.request_id == request_id:
+                self.ready.remove(h)
+                self.blocks.release(h.job.blocks)  # local: its blocks; transferred: none yet
+                self.listener.finish(request_id, seq.tokens if seq else [h.first_token],
+                                     "cancelled", h.job.cached_tokens)
+                return
+        seq = self.decode.cancel(request_id)
+        if seq is not None:
+            self.listener.finish(request_id, seq.tokens, "cancelled")
+
+    def drain(self) -> None:
+        super().drain()
+        while True:  # at shutdown every queued handoff belongs to a cancelled request
+            try:
+                h = self.handoffs.get_nowait()
+            except queue.Empty:
+                return
+            if self.listener.is_cancelled(h.job.request_id):
+                self.listener.finish(h.job.request_id, [h.first_token], "cancelled",
+                                     h.job.cached_tokens)
+            else:
+                self.ready.append(h)
+
+    # ---------------------------------------------------------------- admission
+
+    def _may_start(self, job: PrefillJob) -> bool:
+        """Local prefill starts only for a request that will find a slot."""
+        return job.resume or self.decode.free_slots() > len(self.ready)
+
+    def _pull_handoffs(self) -> None:
+        """Takes transferred requests off the queue while there are slots for them."""
+        while self.decode.free_slots() > len(self.ready):
+            try:
+                h = self.handoffs.get_nowait()
+            except queue.Empty:
+                return
+            rid = h.job.request_id
+            if self.listener.is_cancelled(rid):
+                self.listener.finish(rid, [h.first_token], "cancelled", h.job.cached_tokens)
+                continue
+            self.ready.append(h)
+
+    def _admit(self) -> None:
+        while self.ready and self.decode.free_slots():
+            h = self.ready[0]
+            job = h.job
+            if h.source is not None:  # transferred: blocks here, then land the pages
+                try:
+                    job.blocks = self.blocks.allocate(h.num_blocks)
+                except OutOfBlocks:
+                    return  # the KV stays staged on our devices until blocks free up
+                jax.block_until_ready([t.pages for t in h.tickets])
+                self.listener.mark(job.request_id, "transfer_end")
+                self.transfers[h.source].insert(h.tickets, job.blocks)
+                self.bytes_received += h.nbytes
+            else:  # prefilled here: cache its prompt blocks, hand its references on
+                self.blocks.register(job.prompt, job.blocks)
+            self.ready.popleft()
+            seq = self._resume.pop(job.request_id, None)
+            if seq is None:
+                seq = Sequence(job.request_id, job.prompt, job.params, job.stop_ids,
+                               tokens=[h.first_token], logprobs=[h.first_logprob])
+            seq.blocks = job.blocks
+            job.blocks = []
+            self.decode.admit(seq)
+            self.listener.mark(seq.request_id, "decode_insert")
+
+    def _local_prefill(self) -> bool:
+        if not self.scheduler.queue:
+            return False
+        head = self.scheduler.queue[0]
+        before = head.next_pos
+        for h in self.scheduler.step(may_start=self._may_start):
+            job = h.job
+            if not job.resume:
+                self.listener.mark(job.request_id, "prefill_end", h.done_at)
+                self.listener.token(job.request_id, h.first_token, h.first_logprob)
+                reason = _first_token_ends(job, h.first_token)
+                if reason:
+                    self.blocks.register(job.prompt, job.blocks)
+                    self.blocks.release(job.blocks)
+                    self.listener.finish(job.request_id, [h.first_token], reason,
+                                         job.cached_tokens)
+                    continue
+            if job.resume:
+                self.ready.appendleft(h)
+            else:
+                self.ready.append(h)
+        return head.next_pos != before or head not in self.scheduler.queue
+
+    # ---------------------------------------------------------------- the step
+
+    def step(self) -> bool:
+        """One iteration: admit, one local prefill chunk, one decode step."""
+        self._drain_inbox()
+        self._pull_handoffs()
+        self._admit()
+        did = self._local_prefill()
+        self._admit()
+        result = self.decode.step()
+        for rid, token, logprob in result.tokens:
+            self.listener.token(rid, token, logprob)
+        for seq in result.finished:
+            self.listener.finish(seq.request_id, seq.tokens, seq.finish_reason)
+        for seq in result.preempted:  # recompute prompt + generated here, then decode on
+            self._resume[seq.request_id] = seq
+            self.listener.mark(seq.request_id, "preempted")
+            job = PrefillJob(seq.request_id, seq.prompt + seq.tokens[:-1], seq.params,
+                             seq.stop_ids, resume=True)
+            q = self.scheduler.queue  # first in line, behind a job already mid-prefill
+            q.insert(1 if q and q[0].next_pos >= 0 else 0, job)
+        return did or bool(result.tokens) or bool(result.preempted)
+
+    @property
+    def idle(self) -> bool:
+        return not (self.scheduler.queue or self.ready or self.decode.active
+                    or not self.handoffs.empty() or self._resume)
+
+    def gauges(self) -> dict:
+        return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
+                "local_prefill_queued": len(self.scheduler.queue),
+                "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
+                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
+                "prefix_hit_rate": self.blocks.hit_rate(),
+                "transfer_bytes_received": self.bytes_received}
+
