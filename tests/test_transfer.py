@@ -9,8 +9,10 @@ import pytest
 from kv_util import decode_greedy, make_pool, original_heads
 
 from jaxdisagg.mesh import Deployment, finish_transfer, prefill_request
+from jaxdisagg.mesh.config import RouterConfig
 from jaxdisagg.mesh.transfer import InProcessTransfer
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
+from jaxdisagg.serve.engine import DisaggregatedEngine
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 PROMPT = list(np.random.default_rng(0).integers(0, 256, 45))  # 3 chunks of 16, 6 pages of 8
@@ -86,6 +88,13 @@ def test_no_compilation_after_warmup():
             logits, parts, first = prefill_request(prefill, prompt, blocks, xfer)
             finish_transfer(xfer, logits, parts, blocks, first)
             decode_greedy(decode, int(np.argmax(np.asarray(logits))), len(prompt), blocks, 3)
+        # ... and through the engine: sampling, local prefill on the decode pool, streaming.
+        engine = DisaggregatedEngine(dep, router=RouterConfig(local_prefill_threshold=8))
+        with engine:
+            engine.generate([PROMPT, PROMPT[:5], PROMPT * 3],
+                            [SamplingParams(max_tokens=4, logprobs=True),
+                             SamplingParams(max_tokens=3, temperature=0.7, top_k=5, seed=1),
+                             SamplingParams(max_tokens=5, top_p=0.9, temperature=1.0)])
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles == []

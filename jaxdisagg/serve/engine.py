@@ -73,7 +73,8 @@ class _Request:
     prompt: list[int]
     params: SamplingParams
     stop_ids: frozenset[int]
-    sink: Callable[[tuple], None]  # ("token", id, text delta, logprob) | ("done", Result)
+    # ("token", id, text delta, logprob) | ("text", None, held-back text, None) | ("done", Result)
+    sink: Callable[[tuple], None]
     decoder: IncrementalDecoder | None
     arrival: float = field(default_factory=time.perf_counter)
     marks: dict[str, float] = field(default_factory=dict)
@@ -82,6 +83,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     text: str = ""
+    sent: int = 0  # characters of text already streamed
     stopped: bool = False  # a stop string matched: later tokens are dropped
     route: dict[str, str] = field(default_factory=dict)
     load_slot: int | None = None  # the decode worker counted in the router's load
@@ -205,7 +207,8 @@ class Engine:
                            IncrementalDecoder(self.tokenizer) if self.tokenizer else None)
             req.marks["arrival"] = req.arrival
             self._live[request_id] = req
-            self._results[request_id] = results
+            if _sink is None:
+                self._results[request_id] = results
             self._route(req)
         return request_id
 
@@ -225,10 +228,13 @@ class Engine:
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                **kwargs) -> Iterator[tuple[int, str]]:
-        """Yields (token id, text delta) as tokens are produced; cancels if abandoned."""
+        """Yields (token id, text delta) as tokens are produced; cancels if abandoned.
+
+        Text that may still be the start of a stop string (or of a multi-byte
+        character) is held back; a final (None, text) pair flushes it at the end.
+        """
         events: queue.Queue = queue.Queue()
         rid = self.submit(prompt, params, _sink=events.put, **kwargs)
-        self._results.pop(rid, None)
         finished = False
         try:
             while True:
@@ -275,20 +281,47 @@ class Engine:
         req.logprobs.append(logprob)
         req.token_times.append(now)
         req.marks.setdefault("first_token", now)
-        delta = req.decoder.push(token) if req.decoder else ""
-        if req.params.stop:
-            before = len(req.text)
-            req.text += delta
-            hit = min((i for i in (req.text.find(s, max(0, before - len(s) + 1))
-                                   for s in req.params.stop) if i >= 0), default=-1)
-            if hit >= 0:  # cut the text before the stop string and end the request
-                req.stopped = True
-                delta = req.text[before:hit] if hit > before else ""
-                req.text = req.text[:hit]
-                with self._lock:
-                    self._cancelled.add(request_id)
-                self._post_cancel(req)
-        req.sink(("token", token, delta, logprob))
+        if req.decoder is not None:
+            req.text += req.decoder.push(token)
+        hit = -1
+        if req.params.stop:  # only text not yet sent, plus a stop string's reach, is new
+            start = max(0, req.sent - max(map(len, req.params.stop)) + 1)
+            hit = min((i for i in (req.text.find(s, start) for s in req.params.stop) if i >= 0),
+                      default=-1)
+        if hit >= 0:  # cut the text before the stop string and end the request
+            req.stopped = True
+            req.text = req.text[:hit]
+            delta = req.text[req.sent:]
+            req.sent = len(req.text)
+            with self._lock:
+                self._cancelled.add(request_id)
+            self._post_cancel(req)
+        else:
+            delta = self._releasable(req)
+        self._send(req, ("token", token, delta, logprob))
+
+    @staticmethod
+    def _send(req: _Request, event: tuple) -> None:
+        """A consumer that went away (a closed event loop) must not stop a worker."""
+        try:
+            req.sink(event)
+        except Exception:  # noqa: BLE001
+            pass
+
+    @staticmethod
+    def _releasable(req: _Request) -> str:
+        """Text that can go out now: all of it, except a tail that might still grow
+        into a stop string (it goes out once it cannot, or when the request ends)."""
+        hold = 0
+        for stop in req.params.stop:
+            for k in range(min(len(stop) - 1, len(req.text)), hold, -1):
+                if req.text.endswith(stop[:k]):
+                    hold = k
+                    break
+        end = max(req.sent, len(req.text) - hold)
+        delta = req.text[req.sent:end]
+        req.sent = end
+        return delta
 
     def mark(self, request_id: str, event: str, at: float | None = None, **info) -> None:
         req = self._live.get(request_id)
@@ -324,11 +357,17 @@ class Engine:
         self._unqueue(req)
         if req.stopped:
             tokens, reason = req.tokens, "stop"
+        elif req.decoder is not None:
+            req.text += req.decoder.flush()
+            if len(req.text) > req.sent:  # held back: a partial character or stop string
+                self._send(req, ("text", None, req.text[req.sent:], None))
+                req.sent = len(req.text)
         req.marks["finish"] = now
         times = req.token_times
         text = None
         if self.tokenizer is not None:
             text = req.text if req.params.stop else self.tokenizer.decode(tokens)
+            # (req.text is what was streamed; with no stop strings the two are equal)
         result = Result(
             request_id, req.prompt, list(tokens), text, reason,
             cached_tokens or int(req.info.get("cached_tokens", 0)),
@@ -344,7 +383,7 @@ class Engine:
             self._counts["finished"] += 1
             self._counts[reason.split(":")[0]] += 1
             self._counts["generated_tokens"] += len(tokens)
-        req.sink(("done", result))
+        self._send(req, ("done", result))
 
     # ------------------------------------------------------------ the threads
 
@@ -354,7 +393,10 @@ class Engine:
             try:
                 busy = worker.step()
             except Exception as e:  # noqa: BLE001 - fail its requests, keep serving the rest
-                self._fail(worker, e)
+                try:
+                    self._fail(worker, e)
+                except Exception:  # noqa: BLE001
+                    pass
                 busy = False
             if not busy:  # blocked work (a full queue, no blocks) is retried soon
                 worker.wake.wait(0.05 if worker.idle else 0.002)
