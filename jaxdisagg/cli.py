@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def _printable(text: str) -> str:
@@ -83,6 +86,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_demo(args) -> int:
+    from jaxdisagg.serve.demo import run_demo
+
+    colocated = None if args.no_compare else args.colocated_config
+    run_demo(args.config, colocated, args.requests, args.max_tokens, args.max_prompt,
+             args.seed, sys.stdout)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdisagg", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -107,11 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--token-ids", action="store_true",
                    help="prompts are space-separated token ids, and ids are printed")
     g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
+                                    "then through the colocated one, and compare")
+    d.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    d.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"))
+    d.add_argument("--no-compare", action="store_true", help="skip the colocated run")
+    d.add_argument("--requests", type=int, default=12)
+    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--max-prompt", type=int, default=600, help="longest prompt, in tokens")
+    d.add_argument("--seed", type=int, default=0)
+    d.set_defaults(fn=cmd_demo)
     return p
+
+
+def _host_devices(n: int = 8) -> None:
+    """CPU runs need n host devices for the shipped configs; the flag must be set before
+    JAX is imported and is ignored by GPU backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    _host_devices()
     try:
         return args.fn(args)
     except (ValueError, FileExistsError) as e:  # CheckpointError is a ValueError

@@ -62,3 +62,28 @@ def test_errors_are_clear_and_exit_2(tmp_path):
         assert out.returncode == 2, (args, out.stderr)
         assert message in out.stderr, (args, out.stderr)
         assert "Traceback" not in out.stderr
+
+
+def test_demo_serves_both_engines_and_compares(tmp_path):
+    env_flags = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the CLI sets them
+    out = subprocess.run([str(SCRIPT), "demo", "--requests", "4", "--max-tokens", "4",
+                          "--max-prompt", "100"], capture_output=True, text=True,
+                         env={**env_flags, "JAX_PLATFORMS": "cpu"}, timeout=400)
+    assert out.returncode == 0, out.stderr[-2000:]
+    text = out.stdout
+    assert "disaggregated: streaming request 0" in text
+    assert "disaggregated: per request" in text and "colocated: per request" in text
+    assert "KV moved:" in text and "pool peaks:" in text
+    table = text[text.index("same workload, side by side:"):]
+    assert "TTFT p50 ms" in table and "TBT p99 ms" in table and "tok/s" in table
+    assert "compiling" in out.stderr  # the warm-up progress bars
+    rows = [line.split() for line in text.splitlines() if line.strip().startswith(("demo-0",
+                                                                                     "req-"))]
+    assert len(rows) == 8 and all(row[2] == "4" for row in rows)  # 4 new tokens each
+
+
+def test_demo_bad_config_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("mode: disaggregated\nprefill: {devices: [0, 1], tp: 2}\n")
+    out = run("demo", "--config", str(bad), "--no-compare")
+    assert out.returncode == 2 and "decode: missing" in out.stderr

@@ -232,6 +232,7 @@ class Engine:
 
         Text that may still be the start of a stop string (or of a multi-byte
         character) is held back; a final (None, text) pair flushes it at the end.
+        The generator returns the request's Result (StopIteration.value).
         """
         events: queue.Queue = queue.Queue()
         rid = self.submit(prompt, params, _sink=events.put, **kwargs)
@@ -241,7 +242,7 @@ class Engine:
                 event = events.get()
                 if event[0] == "done":
                     finished = True
-                    return
+                    return event[1]  # the Result: StopIteration.value
                 yield event[1], event[2]
         finally:
             if not finished:

@@ -9,6 +9,8 @@ only the worker's own thread ever touches them. Workers talk through queues:
 * `PrefillWorker.step` prefills up to a token budget of its FCFS queue. A finished
   job's KV is already moving to its decode instance when the handoff is queued; the
   prefill blocks go back to the prefix cache at once (the staged copy is separate).
+  The first token is sampled here but surfaces when the request enters a decode
+  slot (the article's TTFT: prefill + transfer + first decode iteration).
   When the target's handoff queue is full the last chunk waits: backpressure.
 * `DecodeWorker.step` admits what is ready (locally prefilled, or transferred:
   blocks allocated, KV inserted) into free slots, piggybacks one local prefill
@@ -141,8 +143,9 @@ class PrefillWorker(_Worker):
         if h.tickets:
             self.listener.mark(job.request_id, "transfer_start",
                                h.tickets[0].dispatched_at, transfer_bytes=h.nbytes)
-        self.listener.token(job.request_id, h.first_token, h.first_logprob)
         reason = _first_token_ends(job, h.first_token)
+        if reason:  # done at its first token: it never needs the decode pool
+            self.listener.token(job.request_id, h.first_token, h.first_logprob)
         if reason or self.listener.is_cancelled(job.request_id):
             self.listener.finish(job.request_id, [h.first_token],
                                  reason or "cancelled", job.cached_tokens)
@@ -271,13 +274,17 @@ class DecodeWorker(_Worker):
                 self.blocks.register(job.prompt, job.blocks)
             self.ready.popleft()
             seq = self._resume.pop(job.request_id, None)
-            if seq is None:
+            fresh = seq is None
+            if fresh:
                 seq = Sequence(job.request_id, job.prompt, job.params, job.stop_ids,
                                tokens=[h.first_token], logprobs=[h.first_logprob])
             seq.blocks = job.blocks
             job.blocks = []
             self.decode.admit(seq)
             self.listener.mark(seq.request_id, "decode_insert")
+            if fresh:  # the first token surfaces with the request in the decode batch,
+                # so TTFT = prefill + transfer + wait for a slot, and TBT is pure decode
+                self.listener.token(seq.request_id, h.first_token, h.first_logprob)
 
     def _local_prefill(self) -> bool:
         if not self.scheduler.queue:
@@ -288,9 +295,9 @@ class DecodeWorker(_Worker):
             job = h.job
             if not job.resume:
                 self.listener.mark(job.request_id, "prefill_end", h.done_at)
-                self.listener.token(job.request_id, h.first_token, h.first_logprob)
                 reason = _first_token_ends(job, h.first_token)
                 if reason:
+                    self.listener.token(job.request_id, h.first_token, h.first_logprob)
                     self.blocks.register(job.prompt, job.blocks)
                     self.blocks.release(job.blocks)
                     self.listener.finish(job.request_id, [h.first_token], reason,
