@@ -329,3 +329,25 @@ def test_timeline_is_ordered_and_metrics_add_up(deployments):
     assert m["pools"]["decode[0]"]["kv_blocks_used"] == 0
     assert m["latency"]["ttft_p50_s"] > 0
     assert_all_back(engine)
+
+
+def test_evicted_prefix_spills_to_host_and_comes_back():
+    cfg = load_config(CONFIGS / "cpu-1p1d.yaml")
+    cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(
+        cfg.prefill, num_blocks=8, max_pages_per_request=8, host_cache_blocks=8))
+    dep = Deployment.build(cfg)
+    engine = engine_for(dep)
+    blocks = engine.prefillers[0].blocks
+    shared = prompts(15, (48,))[0]
+    params = SamplingParams(max_tokens=4)
+    (ra,) = run(engine, [(0, shared + [1, 2], params)])  # 3 full blocks cached
+    (rc,) = run(engine, [(0, prompts(16, (100,))[0], params)])  # 7 blocks: evicts, spills
+    assert blocks.stats["spills"] >= 1
+    (rb,) = run(engine, [(0, shared + [3, 4], params)])
+    assert blocks.stats["restores"] >= 1  # the evicted head of the prefix came back
+    assert rb.cached_tokens == 48
+    want = ReferenceGenerator(dep.model).generate([shared + [1, 2], shared + [3, 4]], params,
+                                                  stop_token_ids=[])
+    assert [ra.token_ids, rb.token_ids] == want
+    assert engine.metrics()["pools"]["prefill[0]"]["host_restores"] >= 1
+    assert_all_back(engine)

@@ -45,6 +45,9 @@ class PoolConfig:
     chunk_size: int = 64  # prefill tokens per program call
     max_slots: int = 8  # decode batch slots
     max_pages_per_request: int = 64  # block-table width: longest request = this * block_size
+    # Prefix-cache blocks evicted from device memory are kept in host memory, up to this
+    # many, and copied back on a later hit (0 = evicted blocks are simply dropped).
+    host_cache_blocks: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,7 +148,7 @@ def _from_dict(cls, data, path: str):
         kwargs[key] = _coerce(value, hints[key], where)
         if key in _POSITIVE and kwargs[key] <= 0:
             raise ConfigError(f"{where}: must be positive, got {kwargs[key]!r}")
-        if key == "local_prefill_threshold" and kwargs[key] < 0:
+        if key in ("local_prefill_threshold", "host_cache_blocks") and kwargs[key] < 0:
             raise ConfigError(f"{where}: must be 0 (off) or a positive token count, "
                               f"got {kwargs[key]!r}")
     return cls(**kwargs)

@@ -12,6 +12,7 @@ import functools
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -129,6 +130,30 @@ class PoolInstance:
                                        seq_lens)
         return logits
 
+    # ---------------------------------------------------------------- host cache
+
+    def read_block(self, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """One block of every layer, copied to host memory: K and V [L, bs, K, H]."""
+        if not hasattr(self, "_read_block"):
+            self._read_block = jax.jit(
+                lambda kv, b: (jnp.stack([p[b] for p in kv.k]), jnp.stack([p[b] for p in kv.v])),
+                in_shardings=(self._kv_shardings(self.config.num_layers), None))
+        k, v = self._read_block(self.kv, np.int32(block))
+        return np.asarray(k), np.asarray(v)
+
+    def write_block(self, data: tuple[np.ndarray, np.ndarray], block: int) -> None:
+        """Puts a block read by `read_block` back at `block` (pages donated)."""
+        if not hasattr(self, "_write_block"):
+            sh = self._kv_shardings(self.config.num_layers)
+
+            def write(kv, k, v, b):
+                return KVPages(tuple(p.at[b].set(k[i]) for i, p in enumerate(kv.k)),
+                               tuple(p.at[b].set(v[i]) for i, p in enumerate(kv.v)))
+
+            self._write_block = jax.jit(write, in_shardings=(sh, None, None, None),
+                                        out_shardings=sh, donate_argnums=(0,))
+        self.kv = self._write_block(self.kv, data[0], data[1], np.int32(block))
+
     # ---------------------------------------------------------------- warm-up
 
     def warmup(self, prefill: bool = True, decode: bool = True, streaming: bool = True) -> None:
@@ -147,4 +172,6 @@ class PoolInstance:
             zeros = np.zeros(b, np.int32)
             logits = self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros)
             sample_rows(logits, [None] * b, [0] * b)  # the serving loop samples on device
+        if self.pool.host_cache_blocks:
+            self.write_block(self.read_block(0), 0)
         self.kv = self._allocate()  # warm-up wrote into the last block: start clean

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from jaxdisagg.mesh.config import ConfigError, DeploymentConfig, RouterConfig, load_config
 from jaxdisagg.mesh.deployment import Deployment
+from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.model.sampling import SamplingParams
 from jaxdisagg.model.tokenizer import IncrementalDecoder
 from jaxdisagg.serve.kv_cache import BlockManager
@@ -88,6 +89,16 @@ class _Request:
     route: dict[str, str] = field(default_factory=dict)
     load_slot: int | None = None  # the decode worker counted in the router's load
     prefill_slot: int | None = None  # the prefill worker whose queued tokens count it
+
+
+def pool_blocks(inst: PoolInstance, prefix_cache: bool) -> BlockManager:
+    """The block manager of one pool instance; evicted prefix blocks spill to host memory
+    when the pool config gives them room (`host_cache_blocks`)."""
+    spill = inst.pool.host_cache_blocks if prefix_cache else 0
+    return BlockManager(inst.layout.num_blocks, inst.layout.block_size,
+                        prefix_cache=prefix_cache,
+                        spill=inst.read_block if spill else None,
+                        restore=inst.write_block if spill else None, host_capacity=spill)
 
 
 class Engine:
@@ -403,8 +414,10 @@ class Engine:
                 worker.wake.wait(0.05 if worker.idle else 0.002)
 
     def _fail(self, worker, error: Exception) -> None:
+        prefill_only = worker not in self.decoders  # requests past prefill are not its
         with self._lock:
-            held = [r for r in self._live.values() if worker.name in r.route.values()]
+            held = [r for r in self._live.values() if worker.name in r.route.values()
+                    and not (prefill_only and "prefill_end" in r.marks)]
         for req in held:
             self.finish(req.request_id, req.tokens, f"error: {type(error).__name__}: {error}")
             self._post_cancel(req)  # other workers holding it free their blocks
@@ -494,14 +507,12 @@ class DisaggregatedEngine(Engine):
         if self.config.mode != "disaggregated" or not dep.transfers:
             raise ValueError("DisaggregatedEngine needs an in-process disaggregated deployment")
         for j, inst in enumerate(dep.pools["decode"]):
-            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
-                                  prefix_cache=False)
+            blocks = pool_blocks(inst, prefix_cache=False)
             transfers = {i: t for (i, jj), t in dep.transfers.items() if jj == j}
             self.decoders.append(DecodeWorker(f"decode[{j}]", inst, blocks, transfers, self,
                                               self.router.handoff_queue))
         for i, inst in enumerate(dep.pools["prefill"]):
-            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
-                                  prefix_cache=self.router.prefix_cache)
+            blocks = pool_blocks(inst, self.router.prefix_cache)
             transfers = {j: t for (ii, j), t in dep.transfers.items() if ii == i}
             self.prefillers.append(PrefillWorker(i, inst, blocks, transfers, self.decoders,
                                                  self))
@@ -533,8 +544,7 @@ class ColocatedEngine(Engine):
         if self.config.mode != "colocated":
             raise ValueError("ColocatedEngine needs a colocated deployment")
         for j, inst in enumerate(self.deployment.pools["colocated"]):
-            blocks = BlockManager(inst.layout.num_blocks, inst.layout.block_size,
-                                  prefix_cache=self.router.prefix_cache)
+            blocks = pool_blocks(inst, self.router.prefix_cache)
             self.decoders.append(DecodeWorker(f"colocated[{j}]", inst, blocks, {}, self,
                                               self.router.handoff_queue))
 

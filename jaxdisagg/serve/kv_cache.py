@@ -77,6 +77,12 @@ class BlockManager:
         """Fraction of queried prompt tokens served from the prefix cache."""
         return self.stats["hit_tokens"] / max(1, self.stats["queried_tokens"])
 
+    def gauges(self) -> dict:
+        return {"kv_blocks_used": self.num_used, "kv_blocks_total": self.num_blocks,
+                "kv_blocks_cached": len(self._cached), "prefix_hit_rate": self.hit_rate(),
+                "host_cached_blocks": len(self._host), "prefix_evictions": self.stats["evictions"],
+                "host_restores": self.stats["restores"]}
+
     def peek_prefix(self, tokens: Sequence[int]) -> int:
         """How many blocks `match_prefix` would take from device memory now; changes
         nothing, so a router may call it from another thread (dict lookups only)."""

@@ -185,8 +185,7 @@ class PrefillWorker(_Worker):
     def gauges(self) -> dict:
         return {"queued_requests": len(self.scheduler.queue),
                 "queued_tokens": self.scheduler.queued_tokens(),
-                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
-                "prefix_hit_rate": self.blocks.hit_rate(),
+                **self.blocks.gauges(),
                 "transfer_bytes": self.bytes_sent, "transfers": self.transfers_done}
 
 
@@ -341,7 +340,5 @@ class DecodeWorker(_Worker):
         return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
                 "local_prefill_queued": len(self.scheduler.queue),
                 "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
-                "kv_blocks_used": self.blocks.num_used, "kv_blocks_total": self.blocks.num_blocks,
-                "prefix_hit_rate": self.blocks.hit_rate(),
-                "transfer_bytes_received": self.bytes_received}
+                **self.blocks.gauges(), "transfer_bytes_received": self.bytes_received}
 
