@@ -143,7 +143,8 @@ class BlockManager:
 
         At most len(tokens) - 1 tokens are matched, so the request still prefills at
         least one token (it needs the logits of its last prompt token). Spilled blocks
-        come back from host memory when free blocks allow.
+        come back from host memory (into a free block, or in place of the coldest cached
+        block, which spills in turn).
         """
         if not self.prefix_cache:
             return []
@@ -166,10 +167,12 @@ class BlockManager:
         return out
 
     def _bring_back(self, key: bytes) -> int | None:
-        if key not in self._host or not self._free:
-            return None  # restoring must not evict another cached prefix
-        block = self._free.popleft()
-        self._restore(self._host.pop(key), block)
+        if key not in self._host or not self.num_available:
+            return None
+        data = self._host.pop(key)  # first: the eviction below may spill and trim the host
+        # A hit is worth more than the coldest cached block, which spills in turn.
+        block = self._free.popleft() if self._free else self._evict()
+        self._restore(data, block)
         self._refs[block] = 1
         self._hash_of[block], self._block_of[key] = key, block
         self.stats["restores"] += 1
