@@ -41,6 +41,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args) -> int:
+    if args.server:
+        return _remote_generate(args)
     from jaxdisagg.model import ReferenceGenerator, SamplingParams
     from jaxdisagg.model.tokenizer import IncrementalDecoder
     from jaxdisagg.model.weights import load_model
@@ -86,6 +88,54 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import dataclasses
+
+    from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.serve.engine import Engine
+    from jaxdisagg.serve.server import Server, ServerLimits, serve_forever
+
+    cfg = load_config(args.config)
+    if args.max_requests is not None:
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, max_requests=args.max_requests))
+    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens,
+                          max_new_tokens=args.max_new_tokens,
+                          max_message_bytes=args.max_message_bytes)
+    engine = Engine.from_config(cfg, progress=True)
+    try:
+        server = Server(engine, args.host, args.port, limits, args.metrics_port)
+    except Exception:
+        engine.close()
+        raise
+    serve_forever(server)
+    return 0
+
+
+def _remote_generate(args) -> int:
+    import grpc
+
+    from jaxdisagg.serve.client import Client
+
+    ids = _parse_ids(" ".join(args.prompt)) if args.token_ids else " ".join(args.prompt)
+    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                  top_p=args.top_p, seed=args.seed)
+    with Client(args.server) as client:
+        try:
+            last = None
+            for r in client.stream(ids, timeout=args.timeout, **kwargs):
+                piece = r.text if not args.token_ids else "".join(f"{t} " for t in r.token_ids)
+                print(_printable(piece), end="", flush=True)
+                last = r
+        except grpc.RpcError as e:
+            print(f"\njaxdisagg generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    t = last.timings
+    print(f"\n[{last.finish_reason}] TTFT {t.ttft_s * 1e3:.0f} ms, E2E {t.e2e_s * 1e3:.0f} ms, "
+          f"KV moved {t.transfer_bytes / 1024:.0f} KB", file=sys.stderr)
+    return 0
+
+
 def cmd_demo(args) -> int:
     from jaxdisagg.serve.demo import run_demo
 
@@ -118,7 +168,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-weights", type=int, default=0, help="init seed of a preset's weights")
     g.add_argument("--token-ids", action="store_true",
                    help="prompts are space-separated token ids, and ids are printed")
+    g.add_argument("--server", metavar="HOST:PORT",
+                   help="stream from a running `jaxdisagg serve` instead of a local model")
+    g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (--server)")
     g.set_defaults(fn=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve a deployment over gRPC")
+    s.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on this port (0 picks a free one)")
+    s.add_argument("--max-requests", type=int, default=None,
+                   help="requests in flight before RESOURCE_EXHAUSTED (router.max_requests)")
+    s.add_argument("--max-prompt-tokens", type=int, default=None)
+    s.add_argument("--max-new-tokens", type=int, default=4096)
+    s.add_argument("--max-message-bytes", type=int, default=4 * 2**20)
+    s.set_defaults(fn=cmd_serve)
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
                                     "then through the colocated one, and compare")

@@ -120,6 +120,7 @@ class Engine:
         self._recent: deque[Result] = deque(maxlen=1024)
         self._counts: Counter = Counter()
         self._stopping = threading.Event()
+        self._on_finish: list[Callable[[Result], None]] = []
         self.decoders: list[DecodeWorker] = []
         self.prefillers: list[PrefillWorker] = []
         self._build_workers()
@@ -165,7 +166,8 @@ class Engine:
 
     # ------------------------------------------------------------ requests
 
-    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text or ids -> checked token ids (ValueError naming `prompt` otherwise)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -193,7 +195,7 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        ids = self._prompt_ids(prompt)
+        ids = self.encode(prompt)
         if len(ids) + params.max_tokens > self._cap:
             raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} "
                              f"exceed the context of {self._cap} tokens")
@@ -395,6 +397,11 @@ class Engine:
             self._counts["finished"] += 1
             self._counts[reason.split(":")[0]] += 1
             self._counts["generated_tokens"] += len(tokens)
+        for fn in self._on_finish:
+            try:
+                fn(result)
+            except Exception:  # noqa: BLE001 - an observer must not stop a worker
+                pass
         self._send(req, ("done", result))
 
     # ------------------------------------------------------------ the threads
@@ -466,6 +473,14 @@ class Engine:
                              ("finished", "stop", "length", "cancelled", "error")},
                 "generated_tokens": counts.get("generated_tokens", 0),
                 "latency": latency, "pools": {w.name: w.gauges() for w in self.workers}}
+
+    def add_finish_listener(self, fn: Callable[[Result], None]) -> None:
+        """Calls fn(result) for every request that ends (metrics exporters)."""
+        self._on_finish.append(fn)
+
+    @property
+    def max_context(self) -> int:
+        return self._cap
 
     def block_managers(self) -> dict[str, BlockManager]:
         return {w.name: w.blocks for w in self.workers}

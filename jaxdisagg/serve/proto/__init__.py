@@ -1,0 +1,1 @@
+"""Generated protobuf and gRPC modules of the serving API (see generate.py)."""

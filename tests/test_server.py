@@ -1,0 +1,272 @@
+"""The gRPC server, as deployed: `jaxdisagg serve` in a subprocess, real clients.
+
+Greedy tokens over the wire equal the reference generator's; health checking and
+reflection answer through their standard stubs; every bad request gets the right
+status and the server keeps serving; deadlines, client cancels and aborts free
+every block; SIGTERM drains and exits.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from jaxdisagg.model import ReferenceGenerator, SamplingParams
+from jaxdisagg.model.weights import load_model
+from jaxdisagg.serve.client import Client, request
+from jaxdisagg.serve.proto import jaxdisagg_pb2 as pb
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = Path(sys.executable).parent / "jaxdisagg"
+StatusCode = grpc.StatusCode
+
+
+class ServerProcess:
+    def __init__(self, *args):
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        self.proc = subprocess.Popen(
+            [str(SCRIPT), "serve", "--port", "0", "--metrics-port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+            env={**env, "JAX_PLATFORMS": "cpu"})
+        line = self.proc.stdout.readline()  # bounded: the server prints READY or exits
+        assert line.startswith("READY"), f"server did not start: {line!r}"
+        parts = line.split()
+        self.target = parts[1]
+        self.metrics_url = parts[3] if len(parts) > 3 else None
+
+    def stop(self, timeout=60) -> tuple[int, str]:
+        self.proc.send_signal(signal.SIGTERM)
+        out, _ = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--config", str(ROOT / "configs/cpu-1p1d.yaml"), "--max-requests", "6",
+                        "--max-prompt-tokens", "900", "--max-new-tokens", "300")
+    yield srv
+    if srv.proc.poll() is None:
+        srv.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with Client(server.target) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, tok = load_model("tiny")
+    return ReferenceGenerator(model), tok
+
+
+def wait_drained(client, timeout=30):
+    """Every request finished, every block of every pool back."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = json.loads(client.info().metrics_json)
+        used = {p: g["kv_blocks_used"] for p, g in m["pools"].items()}
+        if m["in_flight"] == 0 and not any(used.values()):
+            return m
+        assert time.monotonic() < deadline, f"not drained: {m['in_flight']} in flight, {used}"
+        time.sleep(0.05)
+
+
+def test_stubs_are_generated_from_the_proto(tmp_path):
+    from jaxdisagg.serve.proto import generate
+
+    for path in generate.generate(tmp_path):
+        committed = ROOT / "jaxdisagg/serve/proto" / path.name
+        assert path.read_text() == committed.read_text(), (
+            f"{committed.name} is stale: run `python -m jaxdisagg.serve.proto.generate`")
+
+
+def test_greedy_tokens_over_the_wire_equal_the_reference(client, reference):
+    gen, tok = reference
+    for prompt in ("Hello, gRPC", [256, 5, 6, 7] + list(range(90))):
+        got = client.generate(prompt, max_tokens=7)
+        ids = tok.encode(prompt) if isinstance(prompt, str) else prompt
+        want = gen.generate([ids], SamplingParams(max_tokens=7))[0]
+        assert got["token_ids"] == want
+        assert got["text"] == tok.decode(want)
+        assert got["finish_reason"] in ("length", "stop")
+        assert got["timings"].ttft_s > 0 and len(got["timings"].tbt_s) == len(want) - 1
+    wait_drained(client)
+
+
+def test_streaming_sends_tokens_one_response_at_a_time(client):
+    responses = list(client.stream([256, 1, 2, 3], max_tokens=5, logprobs=True,
+                                   ignore_eos=True))
+    assert [len(r.token_ids) for r in responses[:-1]] == [1] * 5
+    assert all(len(r.logprobs) == 1 for r in responses[:-1])
+    assert responses[0].prompt_tokens == 4
+    last = responses[-1]
+    assert last.finish_reason == "length" and not last.token_ids
+    assert {"arrival", "prefill_end", "decode_insert", "finish"} <= set(last.timings.timeline)
+
+
+def test_health_and_reflection_through_standard_stubs(server, client):
+    assert client.health() == "SERVING"
+    assert client.health("jaxdisagg.v1.Generator") == "SERVING"
+    with pytest.raises(grpc.RpcError) as e:
+        client.health("no.such.Service")
+    assert e.value.code() == StatusCode.NOT_FOUND
+    stub = reflection_pb2_grpc.ServerReflectionStub(client.channel)
+    replies = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(
+        list_services="")]))
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {"jaxdisagg.v1.Generator", "grpc.health.v1.Health"} <= names
+
+
+def test_info_reports_model_config_and_pools(client):
+    info = client.info()
+    assert info.model == "tiny" and info.mode == "disaggregated"
+    assert info.max_context == 1024 and info.vocab_size == 384
+    assert json.loads(info.config_json)["decode"]["tp"] == 4
+    assert set(json.loads(info.metrics_json)["pools"]) == {"prefill[0]", "decode[0]"}
+
+
+BAD = [
+    ("no prompt", pb.GenerateRequest(), StatusCode.INVALID_ARGUMENT, "prompt: set text"),
+    ("empty text", request(""), StatusCode.INVALID_ARGUMENT, "prompt: must not be empty"),
+    ("empty ids", request([]), StatusCode.INVALID_ARGUMENT, "prompt: must not be empty"),
+    ("id past vocab", request([256, 384]), StatusCode.INVALID_ARGUMENT, "outside the vocab"),
+    ("negative id", request([256, -3]), StatusCode.INVALID_ARGUMENT, "outside the vocab"),
+    ("huge id", request([2**62]), StatusCode.INVALID_ARGUMENT, "outside the vocab"),
+    ("prompt over limit", request([1] * 950), StatusCode.INVALID_ARGUMENT, "server limit"),
+    ("text over limit", request("x" * 1000), StatusCode.INVALID_ARGUMENT, "server limit"),
+    ("past the context", request([1] * 800, max_tokens=290), StatusCode.INVALID_ARGUMENT,
+     "exceed the context"),
+    ("max_tokens 0", request("a", max_tokens=0), StatusCode.INVALID_ARGUMENT,
+     "sampling.max_tokens"),
+    ("max_tokens negative", request("a", max_tokens=-5), StatusCode.INVALID_ARGUMENT,
+     "sampling.max_tokens"),
+    ("max_tokens absurd", request("a", max_tokens=10**9), StatusCode.INVALID_ARGUMENT,
+     "server limit of 300"),
+    ("temperature negative", request("a", temperature=-1.0), StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    ("temperature nan", request("a", temperature=float("nan")), StatusCode.INVALID_ARGUMENT,
+     "sampling.temperature"),
+    ("top_p zero", request("a", top_p=0.0), StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    ("top_p above 1", request("a", top_p=1.5), StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    ("top_k negative", request("a", top_k=-1), StatusCode.INVALID_ARGUMENT, "sampling.top_k"),
+    ("seed negative", request("a", seed=-1), StatusCode.INVALID_ARGUMENT, "sampling.seed"),
+    ("empty stop string", request("a", stop=[""]), StatusCode.INVALID_ARGUMENT,
+     "sampling.stop"),
+    ("stop id past vocab", request("a", stop_token_ids=[5000]), StatusCode.INVALID_ARGUMENT,
+     "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("name,req,code,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_the_right_status(client, name, req, code, message):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stub.Generate(req, timeout=30))
+    assert e.value.code() == code, e.value.details()
+    assert message in e.value.details()
+
+
+def test_garbage_bytes_unknown_abort_and_server_keeps_serving(client):
+    raw = client.channel.unary_stream("/jaxdisagg.v1.Generator/Generate",
+                                      request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+    for garbage in (b"\xff\xfe\xfd\x00garbage", b"\x0a\xff\xff\xff\xff\x0f"):
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(garbage, timeout=30))
+        assert e.value.code() == StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("no-such-request")
+    assert e.value.code() == StatusCode.NOT_FOUND
+    assert client.generate([256, 1], max_tokens=2)["finish_reason"]
+    wait_drained(client)
+
+
+def test_abort_ends_the_stream_and_frees_blocks(client):
+    stream = client.stream([256] + list(range(100)), max_tokens=300, ignore_eos=True,
+                           request_id="to-abort")
+    first = next(stream)
+    assert first.request_id == "to-abort"
+    client.abort("to-abort")
+    rest = list(stream)
+    assert rest[-1].finish_reason == "cancelled"
+    wait_drained(client)
+
+
+def test_deadline_and_client_cancel_free_blocks(client):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stream([256] + list(range(200)), max_tokens=300, ignore_eos=True,
+                           timeout=0.5))
+    assert e.value.code() == StatusCode.DEADLINE_EXCEEDED
+    wait_drained(client)
+    call = client.stream([256, 9, 9], max_tokens=300, ignore_eos=True)
+    next(call)
+    call.cancel()  # the client walks away mid-stream
+    with pytest.raises(grpc.RpcError) as e:
+        list(call)
+    assert e.value.code() == StatusCode.CANCELLED
+    wait_drained(client)
+
+
+def test_full_queue_is_resource_exhausted(client):
+    calls = [client.stream([256, i], max_tokens=300, ignore_eos=True) for i in range(6)]
+    firsts = [next(c) for c in calls]  # six in flight: router.max_requests from --max-requests
+    assert len(firsts) == 6
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate([256, 1], max_tokens=2)
+    assert e.value.code() == StatusCode.RESOURCE_EXHAUSTED
+    for c in calls:
+        c.cancel()
+    wait_drained(client)
+    assert client.generate([256, 1], max_tokens=2)["finish_reason"]
+
+
+def test_concurrent_clients_get_their_own_tokens(server, reference):
+    gen, _ = reference
+    prompts = [[256] + list(range(i, i + 5 + 9 * i)) for i in range(5)]
+    want = gen.generate(prompts, SamplingParams(max_tokens=6))
+    got = [None] * len(prompts)
+
+    def run(i):
+        with Client(server.target) as c:
+            got[i] = c.generate(prompts[i], max_tokens=6)["token_ids"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == want
+
+
+def test_prometheus_metrics(server, client):
+    client.generate([256] + list(range(70)), max_tokens=4)
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    for name in ("jaxdisagg_ttft_seconds_count", "jaxdisagg_inter_token_seconds_bucket",
+                 "jaxdisagg_e2e_seconds_sum", 'jaxdisagg_requests_total{finish_reason="length"}',
+                 'jaxdisagg_pool_kv_blocks_used{pool="decode[0]"}',
+                 'jaxdisagg_pool_slots_used{pool="decode[0]"}',
+                 'jaxdisagg_pool_queued_requests{pool="prefill[0]"}',
+                 'jaxdisagg_pool_prefix_hit_rate{pool="prefill[0]"}',
+                 "jaxdisagg_transfer_bytes_total", "jaxdisagg_requests_in_flight"):
+        assert name in text, name
+    moved = [ln for ln in text.splitlines() if ln.startswith("jaxdisagg_transfer_bytes_total")]
+    assert float(moved[0].split()[-1]) > 0
+
+
+def test_sigterm_drains_and_exits(server, client):
+    """Last: a request in flight finishes, then the server stops."""
+    stream = client.stream([256, 3, 4], max_tokens=40, ignore_eos=True)
+    next(stream)
+    code, out = server.stop()
+    assert code == 0 and "draining" in out and "stopped" in out
+    assert list(stream)[-1].finish_reason == "length"  # drained, not cut
