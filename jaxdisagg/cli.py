@@ -102,13 +102,107 @@ def cmd_serve(args) -> int:
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens=args.max_new_tokens,
                           max_message_bytes=args.max_message_bytes)
-    engine = Engine.from_config(cfg, progress=True)
+    if cfg.transfer.kind != "cross_process":
+        if args.role:
+            raise ValueError(f"--role: {args.config} runs its pools in one process; --role "
+                             "is for transfer.kind: cross_process configs")
+        engine = Engine.from_config(cfg, progress=True)
+    elif args.role == "prefill":
+        return _serve_prefill(cfg, args)
+    elif args.role == "decode" and args.prefill:
+        from jaxdisagg.serve.remote import CrossProcessEngine
+
+        engine = CrossProcessEngine.build(cfg, args.prefill, progress=True)
+    else:
+        raise ValueError("--role: a cross_process config runs one pool per process: "
+                         "`serve --role prefill`, then `serve --role decode --prefill "
+                         "HOST:PORT`; `jaxdisagg launch` starts both")
     try:
         server = Server(engine, args.host, args.port, limits, args.metrics_port)
     except Exception:
         engine.close()
         raise
     serve_forever(server)
+    return 0
+
+
+def _wait_for_signal():
+    import signal
+    import threading
+
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _serve_prefill(cfg, args) -> int:
+    from jaxdisagg.mesh.deployment import Deployment
+    from jaxdisagg.serve.remote import PrefillService
+
+    stop = _wait_for_signal()
+    service = PrefillService(Deployment.build(cfg, role="prefill", progress=True), args.host,
+                             args.control_port)
+    print(f"READY {service.address}", flush=True)
+    stop.wait()
+    print("draining", flush=True)
+    service.close()
+    print("stopped", flush=True)
+    return 0
+
+
+def cmd_launch(args) -> int:
+    """Starts the prefill and decode processes of a cross_process config on this host."""
+    import subprocess
+
+    from jaxdisagg.mesh.config import load_config
+
+    cfg = load_config(args.config)
+    if cfg.transfer.kind != "cross_process":
+        raise ValueError(f"--config: {args.config} is not a cross_process deployment; serve "
+                         "it with `jaxdisagg serve --config ...`")
+    cores = sorted(os.sched_getaffinity(0))
+
+    def pinned(i):  # prefill on one core, decode on another: they never share compute
+        return (lambda: os.sched_setaffinity(0, {cores[i]})) if len(cores) > 1 else None
+
+    def start(i, *extra):
+        proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "serve", "--config",
+                                 args.config, *extra], stdout=subprocess.PIPE, text=True,
+                                preexec_fn=pinned(i))
+        line = proc.stdout.readline()
+        if not line.startswith("READY"):
+            proc.kill()
+            raise RuntimeError(f"{extra[1]} process did not start (exit {proc.wait()})")
+        return proc, line.split()[1]
+
+    stop = _wait_for_signal()
+    prefill, address = start(0, "--role", "prefill", "--control-port", "0")
+    try:
+        metrics = [] if args.metrics_port is None else ["--metrics-port",
+                                                        str(args.metrics_port)]
+        decode, public = start(1 % max(1, len(cores)), "--role", "decode", "--prefill",
+                               address, "--host", args.host, "--port", str(args.port),
+                               *metrics)
+    except BaseException:
+        prefill.terminate()
+        raise
+    where = (f"prefill pid {prefill.pid} on core {cores[0]}, decode pid {decode.pid} on core "
+             f"{cores[1]}" if len(cores) > 1 else "one core: not pinned")
+    print(f"READY {public} ({where})", flush=True)
+    while not stop.wait(0.5):
+        if prefill.poll() is not None or decode.poll() is not None:
+            print("a pool process exited; stopping", flush=True)
+            break
+    print("draining", flush=True)
+    for proc in (decode, prefill):  # decode first: it finishes what is in flight
+        if proc.poll() is None:
+            proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print("stopped", flush=True)
     return 0
 
 
@@ -184,7 +278,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=None)
     s.add_argument("--max-new-tokens", type=int, default=4096)
     s.add_argument("--max-message-bytes", type=int, default=4 * 2**20)
+    s.add_argument("--role", choices=("prefill", "decode"), default=None,
+                   help="run one pool of a cross_process config")
+    s.add_argument("--prefill", metavar="HOST:PORT",
+                   help="the prefill process's control address (--role decode)")
+    s.add_argument("--control-port", type=int, default=0,
+                   help="control port of the prefill process (--role prefill)")
     s.set_defaults(fn=cmd_serve)
+
+    la = sub.add_parser("launch", help="start every pool process of a cross_process config")
+    la.add_argument("--config", default=str(CONFIGS / "cpu-2proc.yaml"))
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=50051)
+    la.add_argument("--metrics-port", type=int, default=None)
+    la.set_defaults(fn=cmd_launch)
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
                                     "then through the colocated one, and compare")
@@ -212,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     _host_devices()
     try:
         return args.fn(args)
-    except (ValueError, FileExistsError) as e:  # CheckpointError is a ValueError
+    except (ValueError, FileExistsError, RuntimeError) as e:  # CheckpointError: a ValueError
         print(f"jaxdisagg {args.command}: error: {e}", file=sys.stderr)
         return 2
 

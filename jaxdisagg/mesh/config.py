@@ -57,6 +57,9 @@ class TransferConfig:
     layer_group_size: int = 1
     pull_timeout_s: float = 30.0
     lease_s: float = 60.0
+    # A request whose KV never arrives (prefill process gone, pull timed out) fails, or
+    # is prefilled again on the decode instance.
+    on_failure: Literal["fail", "recompute"] = "fail"
 
 
 @dataclass(frozen=True)

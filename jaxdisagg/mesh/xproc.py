@@ -162,11 +162,13 @@ class KVReceiver:
         self.compat = compat_hash(inst)
         self._server = _start_transfer_server()
         self._connections = {}
+        self._lock = threading.Lock()  # pulls may run on several threads
 
     def _connection(self, address: str):
-        if address not in self._connections:
-            self._connections[address] = self._server.connect(address)
-        return self._connections[address]
+        with self._lock:
+            if address not in self._connections:
+                self._connections[address] = self._server.connect(address)
+            return self._connections[address]
 
     def _targets(self, offer: KVOffer) -> list:
         """For each piece, the first of our devices that needs its heads."""

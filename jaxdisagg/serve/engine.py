@@ -126,7 +126,7 @@ class Engine:
         self._build_workers()
         self._load = [0] * len(self.decoders)  # requests routed to each decode worker
         self._queued = [0] * len(self.prefillers)  # prompt tokens routed, not yet prefilled
-        self._cap = min(w.inst.max_pages * w.blocks.block_size for w in self.workers)
+        self._cap = min(w.capacity for w in self.workers)
         self._threads: list[threading.Thread] = []
         for w in self.workers:
             w.wake = threading.Event()
@@ -483,7 +483,8 @@ class Engine:
         return self._cap
 
     def block_managers(self) -> dict[str, BlockManager]:
-        return {w.name: w.blocks for w in self.workers}
+        """The block managers of this process's pools (a remote pool keeps its own)."""
+        return {w.name: w.blocks for w in self.workers if getattr(w, "blocks", None)}
 
     # ------------------------------------------------------------ lifecycle
 
@@ -526,6 +527,7 @@ class DisaggregatedEngine(Engine):
             transfers = {i: t for (i, jj), t in dep.transfers.items() if jj == j}
             self.decoders.append(DecodeWorker(f"decode[{j}]", inst, blocks, transfers, self,
                                               self.router.handoff_queue))
+            self.decoders[-1].on_transfer_failure = self.config.transfer.on_failure
         for i, inst in enumerate(dep.pools["prefill"]):
             blocks = pool_blocks(inst, self.router.prefix_cache)
             transfers = {j: t for (ii, j), t in dep.transfers.items() if ii == i}
@@ -545,7 +547,7 @@ class DisaggregatedEngine(Engine):
             return
         # Best prefix hit first (skipped tokens), then the shortest queue.
         i = max(range(len(self.prefillers)),
-                key=lambda i: (self.prefillers[i].blocks.peek_prefix(req.prompt), -self._queued[i]))
+                key=lambda i: (self.prefillers[i].prefix_hit(req.prompt), -self._queued[i]))
         self._queued[i] += len(req.prompt)
         req.prefill_slot = i
         req.route["prefill"] = self.prefillers[i].name
@@ -565,7 +567,7 @@ class ColocatedEngine(Engine):
 
     def _route(self, req: _Request) -> None:
         j = max(range(len(self.decoders)),
-                key=lambda j: (self.decoders[j].blocks.peek_prefix(req.prompt), -self._load[j]))
+                key=lambda j: (self.decoders[j].prefix_hit(req.prompt), -self._load[j]))
         self._load[j] += 1
         req.load_slot = j
         w = self.decoders[j]

@@ -84,6 +84,14 @@ class _Worker:
             elif kind == "cancel":
                 self._cancel(item)
 
+    @property
+    def capacity(self) -> int:
+        """Longest request (prompt + generated) this worker's instance can hold."""
+        return self.inst.max_pages * self.blocks.block_size
+
+    def prefix_hit(self, prompt) -> int:
+        return self.blocks.peek_prefix(prompt)
+
     def drain(self) -> None:
         """Handles what is posted without running any program (used at shutdown)."""
         self._drain_inbox()
@@ -140,9 +148,10 @@ class PrefillWorker(_Worker):
         job = h.job
         self.scheduler.release(h)  # the pages are staged for the transfer already
         self.listener.mark(job.request_id, "prefill_end", h.done_at)
-        if h.tickets:
+        if h.tickets:  # (a cross-process offer has no dispatch time: now, then)
             self.listener.mark(job.request_id, "transfer_start",
-                               h.tickets[0].dispatched_at, transfer_bytes=h.nbytes)
+                               getattr(h.tickets[0], "dispatched_at", None),
+                               transfer_bytes=h.nbytes)
         reason = _first_token_ends(job, h.first_token)
         if reason:  # done at its first token: it never needs the decode pool
             self.listener.token(job.request_id, h.first_token, h.first_logprob)
@@ -204,6 +213,8 @@ class DecodeWorker(_Worker):
         self.ready: deque[Handoff] = deque()  # prefilled, waiting for a slot (and blocks)
         self._resume: dict[str, Sequence] = {}  # preempted, being recomputed locally
         self.bytes_received = 0
+        self.transfer_failures = 0
+        self.on_transfer_failure = "fail"  # or "recompute": prefill it on this instance
 
     # ---------------------------------------------------------------- cancel
 
@@ -265,9 +276,18 @@ class DecodeWorker(_Worker):
                     job.blocks = self.blocks.allocate(h.num_blocks)
                 except OutOfBlocks:
                     return  # the KV stays staged on our devices until blocks free up
-                jax.block_until_ready([t.pages for t in h.tickets])
+                try:
+                    # In-process tickets are arrays already moving; cross-process ones
+                    # are offers that `insert` pulls (under its watchdog).
+                    jax.block_until_ready([t.pages for t in h.tickets if hasattr(t, "pages")])
+                    self.transfers[h.source].insert(h.tickets, job.blocks)
+                except Exception as e:  # noqa: BLE001 - this request fails, not the pool
+                    self.ready.popleft()
+                    self.blocks.release(job.blocks)
+                    job.blocks = []
+                    self._transfer_failed(h, e)
+                    continue
                 self.listener.mark(job.request_id, "transfer_end")
-                self.transfers[h.source].insert(h.tickets, job.blocks)
                 self.bytes_received += h.nbytes
             else:  # prefilled here: cache its prompt blocks, hand its references on
                 self.blocks.register(job.prompt, job.blocks)
@@ -284,6 +304,18 @@ class DecodeWorker(_Worker):
             if fresh:  # the first token surfaces with the request in the decode batch,
                 # so TTFT = prefill + transfer + wait for a slot, and TBT is pure decode
                 self.listener.token(seq.request_id, h.first_token, h.first_logprob)
+
+    def _transfer_failed(self, h: Handoff, error: Exception) -> None:
+        """The KV never arrived: fail the request, or prefill it here (`recompute`)."""
+        job, seq = h.job, self._resume.pop(h.job.request_id, None)
+        self.transfer_failures += 1
+        self.listener.mark(job.request_id, "transfer_failed")
+        if self.on_transfer_failure == "recompute" and seq is None:
+            self.scheduler.submit(PrefillJob(job.request_id, job.prompt, job.params,
+                                             job.stop_ids, target=job.target))
+            return
+        self.listener.finish(job.request_id, seq.tokens if seq else [],
+                             f"error: KV transfer failed: {error}", job.cached_tokens)
 
     def _local_prefill(self) -> bool:
         if not self.scheduler.queue:
@@ -340,5 +372,6 @@ class DecodeWorker(_Worker):
         return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
                 "local_prefill_queued": len(self.scheduler.queue),
                 "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
-                **self.blocks.gauges(), "transfer_bytes_received": self.bytes_received}
+                **self.blocks.gauges(), "transfer_bytes_received": self.bytes_received,
+                "transfer_failures": self.transfer_failures}
 

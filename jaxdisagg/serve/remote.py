@@ -1,0 +1,347 @@
+"""Pools in separate processes: the prefill service and the decode side's proxy of it.
+
+    prefill process:  PrefillService  = PrefillWorker + KVSender + a control server
+    decode process:   CrossProcessEngine = DecodeWorker + KVReceiver + RemotePrefill
+
+The decode process is the front end (it runs the gRPC Generator service). For each
+request, `RemotePrefill` (a worker that only forwards) calls the prefill process's
+`prefill` control method; the prefill process runs chunked prefill, offers the KV
+through `jax.experimental.transfer` (held under a lease) and answers with the offers
+and the first token. The calling thread pulls the offers onto the decode devices
+under the receiver's watchdog and releases them; the decode worker then only
+scatters the pages in when a slot and blocks are free, so a slow pull never stalls
+the decode batch. Control messages are JSON
+(`mesh/control.py`): nothing is unpickled.
+
+Failures stay per request: a prefill process that is down fails its requests with
+UNAVAILABLE-style errors ("error: prefill pool unavailable"); a pull that times out
+fails the request, or prefills it again on the decode instance when
+`transfer.on_failure: recompute`; offers nobody pulls are freed when the lease ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from jaxdisagg.mesh.config import DeploymentConfig
+from jaxdisagg.mesh.control import ControlClient, ControlServer
+from jaxdisagg.mesh.deployment import Deployment
+from jaxdisagg.mesh.xproc import KVOffer, KVReceiver, KVSender
+from jaxdisagg.model.sampling import SamplingParams
+from jaxdisagg.serve.engine import DisaggregatedEngine, pool_blocks
+from jaxdisagg.serve.prefill import Handoff, PrefillJob
+from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
+
+_PARAMS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "stop")
+
+
+def params_to_json(p: SamplingParams) -> dict:
+    return {k: list(v) if k == "stop" else v for k, v in dataclasses.asdict(p).items()
+            if k in _PARAMS}
+
+
+def params_from_json(d: dict) -> SamplingParams:
+    return SamplingParams(**{k: tuple(v) if k == "stop" else v for k, v in d.items()
+                             if k in _PARAMS})
+
+
+class _Outbox:
+    """Stands in for the decode worker in the prefill process: handoffs land here."""
+
+    def __init__(self, maxsize: int):
+        self.handoffs: queue.Queue[Handoff] = queue.Queue(maxsize=maxsize)
+        self.wake = threading.Event()
+
+
+@dataclasses.dataclass
+class _Pending:
+    received: float
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    reply: dict = dataclasses.field(default_factory=dict)
+    marks: dict = dataclasses.field(default_factory=dict)
+
+
+class PrefillService:
+    """The prefill process: one instance of the deployment's prefill pool."""
+
+    def __init__(self, dep: Deployment, host: str = "127.0.0.1", port: int = 0):
+        cfg = dep.config
+        inst = dep.pools["prefill"][0]
+        self.config = cfg
+        self.sender = KVSender(inst, lease_s=cfg.transfer.lease_s)
+        self.outbox = _Outbox(cfg.router.handoff_queue)
+        self.blocks = pool_blocks(inst, cfg.router.prefix_cache)
+        self.worker = PrefillWorker(0, inst, self.blocks, {0: self.sender}, [self.outbox], self)
+        self.worker.wake = threading.Event()
+        self._pending: dict[str, _Pending] = {}
+        self._cancelled: set[str] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=fn, daemon=True, name=name)
+                         for fn, name in ((self._run, "prefill"), (self._ship, "handoffs"))]
+        for t in self._threads:
+            t.start()
+        self.control = ControlServer({"prefill": self._prefill, "cancel": self._cancel,
+                                      "stats": self._stats}, host=host, port=port, workers=64)
+        self.address = self.control.address
+
+    # ---------------------------------------------------------------- the worker side
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.worker.wake.clear()
+            try:
+                busy = self.worker.step()
+            except Exception as e:  # noqa: BLE001 - fail what is waiting, keep serving
+                with self._lock:
+                    waiting = list(self._pending)
+                for rid in waiting:
+                    self.worker.post("cancel", rid)
+                    self.finish(rid, [], f"error: prefill failed: {type(e).__name__}: {e}")
+                busy = False
+            if not busy:
+                self.worker.wake.wait(0.05 if self.worker.idle else 0.002)
+
+    def _ship(self) -> None:
+        """Answers each request's `prefill` call with its offers and first token."""
+        while not self._stop.is_set():
+            try:
+                h = self.outbox.handoffs.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            self._resolve(h.job.request_id, {
+                "offers": [t.to_json() for t in h.tickets], "first_token": h.first_token,
+                "first_logprob": h.first_logprob, "num_blocks": h.num_blocks,
+                "cached_tokens": h.job.cached_tokens, "nbytes": h.nbytes})
+
+    def _resolve(self, request_id: str, reply: dict) -> None:
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+            self._cancelled.discard(request_id)
+        if pending is not None:
+            t0 = pending.received
+            reply["marks"] = {k: v - t0 for k, v in pending.marks.items()}
+            pending.reply = reply
+            pending.done.set()
+
+    # Listener (called by the worker thread)
+    def token(self, request_id, token, logprob) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is not None:
+            pending.marks.setdefault("first_token_at_prefill", time.perf_counter())
+
+    def mark(self, request_id, event, at=None, **info) -> None:
+        with self._lock:
+            pending = self._pending.get(request_id)
+        if pending is not None and event in ("prefill_start", "prefill_end"):
+            pending.marks.setdefault(event, at or time.perf_counter())
+
+    def finish(self, request_id, tokens, reason, cached_tokens=0) -> None:
+        self._resolve(request_id, {"finished": reason, "tokens": list(tokens),
+                                   "cached_tokens": cached_tokens})
+
+    def is_cancelled(self, request_id) -> bool:
+        return request_id in self._cancelled
+
+    # ---------------------------------------------------------------- control methods
+
+    def _prefill(self, msg: dict) -> dict:
+        rid = str(msg["request_id"])
+        prompt = [int(t) for t in msg["prompt"]]
+        job = PrefillJob(rid, prompt, params_from_json(msg["params"]),
+                         frozenset(int(t) for t in msg["stop_ids"]))
+        pending = _Pending(time.perf_counter())
+        with self._lock:
+            if rid in self._pending:
+                raise ValueError(f"request_id: {rid!r} is already being prefilled")
+            self._pending[rid] = pending
+        self.worker.post("job", job)
+        if not pending.done.wait(float(msg.get("timeout_s", 300))):
+            self._cancel({"request_id": rid})
+            raise TimeoutError(f"request {rid!r}: prefill did not finish in time")
+        return pending.reply
+
+    def _cancel(self, msg: dict) -> dict:
+        rid = str(msg["request_id"])
+        with self._lock:
+            if rid in self._pending:
+                self._cancelled.add(rid)
+        self.worker.post("cancel", rid)
+        return {}
+
+    def _stats(self, msg: dict) -> dict:
+        return {"capacity": self.worker.capacity, "block_size": self.blocks.block_size,
+                "gauges": {**self.worker.gauges(), "offers_held": self.sender.held()},
+                "model": self.worker.inst.config.name}
+
+    def close(self) -> None:
+        self._stop.set()
+        self.worker.wake.set()
+        for t in self._threads:
+            t.join(timeout=30)
+        self.control.stop()
+        self.worker.drain()
+        self.sender.close()
+
+
+class RemotePrefill:
+    """The decode process's view of the prefill process: a worker that forwards.
+
+    `post("job")` calls the prefill process from a thread pool; its answer becomes a
+    handoff in the target decode worker's queue (a blocking put: when the decode side
+    is full, the calls wait, and the prefill process's own bounded queue holds the
+    rest: backpressure across processes).
+    """
+
+    def __init__(self, address: str, decoders: list[DecodeWorker], listener,
+                 receiver: KVReceiver, on_failure: str = "fail", rpc_timeout_s: float = 300.0):
+        self.name = "prefill[0]"
+        self.address, self.decoders, self.listener = address, decoders, listener
+        self.receiver, self.on_failure = receiver, on_failure
+        self.transfer_failures = 0
+        self._closed = threading.Event()
+        self.client = ControlClient(address)
+        self.rpc_timeout_s = rpc_timeout_s
+        stats = self.client.call("stats", {}, timeout=30)  # fails fast if it is not there
+        self.capacity = int(stats["capacity"])
+        self._gauges = stats["gauges"]
+        self._calls = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rprefill")
+        self._inflight = 0
+        self.wake = None
+
+    def prefix_hit(self, prompt) -> int:
+        return 0  # the prefill process routes on its own cache; one instance here
+
+    def post(self, kind: str, item) -> None:
+        if kind == "job":
+            self._inflight += 1
+            self._calls.submit(self._prefill, item)
+        elif kind == "cancel":
+            self._calls.submit(self._cancel, item)
+
+    def _cancel(self, request_id: str) -> None:
+        try:
+            self.client.call("cancel", {"request_id": request_id}, timeout=5)
+        except grpc.RpcError:
+            pass  # a prefill process that is gone holds nothing of ours
+
+    def _prefill(self, job: PrefillJob) -> None:
+        rid = job.request_id
+        sent = time.perf_counter()
+        try:
+            reply = self.client.call("prefill", {
+                "request_id": rid, "prompt": job.prompt, "params": params_to_json(job.params),
+                "stop_ids": sorted(job.stop_ids), "timeout_s": self.rpc_timeout_s},
+                timeout=self.rpc_timeout_s + 5)
+        except grpc.RpcError as e:
+            self._inflight -= 1
+            self.listener.finish(rid, [], f"error: prefill pool unavailable "
+                                          f"({e.code().name}: {e.details()})")
+            return
+        self._inflight -= 1
+        for event, offset in reply.get("marks", {}).items():
+            if event in ("prefill_start", "prefill_end"):  # the other process's clock
+                self.listener.mark(rid, event, sent + offset)
+        if "finished" in reply:
+            if reply["tokens"] and reply["finished"] != "cancelled":
+                self.listener.token(rid, reply["tokens"][0], 0.0)
+            self.listener.finish(rid, reply["tokens"], reply["finished"],
+                                 reply.get("cached_tokens", 0))
+            return
+        self.listener.mark(rid, "transfer_start", transfer_bytes=reply["nbytes"],
+                           cached_tokens=reply["cached_tokens"])
+        job.cached_tokens = reply["cached_tokens"]
+        offers = [KVOffer.from_json(o) for o in reply["offers"]]
+        target = self.decoders[job.target]
+        try:  # here, not on the decode thread: a slow pull must not stall the decode batch
+            parts = [self.receiver.pull(o) for o in offers]
+        except Exception as e:  # noqa: BLE001 - KVTransferError, or the sender vanished
+            self.transfer_failures += 1
+            self.listener.mark(rid, "transfer_failed")
+            if self.on_failure == "recompute":  # prefill it on the decode instance
+                target.post("job", PrefillJob(rid, job.prompt, job.params, job.stop_ids,
+                                              target=job.target))
+            else:
+                self.listener.finish(rid, [], f"error: KV transfer failed: {e}")
+            return
+        finally:
+            self._release(offers)
+        h = Handoff(job, parts, int(reply["first_token"]), float(reply["first_logprob"]),
+                    int(reply["num_blocks"]), source=0)
+        while not self._closed.is_set():
+            try:
+                target.handoffs.put(h, timeout=0.5)
+            except queue.Full:
+                continue
+            if target.wake is not None:
+                target.wake.set()
+            return
+
+    @staticmethod
+    def _release(offers: list[KVOffer]) -> None:
+        for offer in offers:  # pulled or not: the sender may drop them now
+            try:
+                ControlClient(offer.control_address).call("release", {"uuid": offer.uuid},
+                                                          timeout=5.0)
+            except grpc.RpcError:
+                pass  # its lease frees them anyway
+
+    def step(self) -> bool:
+        return False  # the work happens in the prefill process
+
+    @property
+    def idle(self) -> bool:
+        return self._inflight == 0
+
+    def drain(self) -> None:
+        pass
+
+    def gauges(self) -> dict:
+        try:
+            self._gauges = self.client.call("stats", {}, timeout=2)["gauges"]
+        except grpc.RpcError:
+            return {**self._gauges, "reachable": 0}
+        return {**self._gauges, "reachable": 1, "calls_in_flight": self._inflight,
+                "transfer_failures": self.transfer_failures}
+
+    def close(self) -> None:
+        self._closed.set()
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
+
+
+class CrossProcessEngine(DisaggregatedEngine):
+    """The decode process of a cross-process deployment, fronting the requests."""
+
+    def __init__(self, deployment: Deployment, prefill_address: str, **kwargs):
+        self.prefill_address = prefill_address
+        super().__init__(deployment, **kwargs)
+
+    @classmethod
+    def build(cls, config: DeploymentConfig, prefill_address: str, progress: bool = False,
+              **kwargs) -> CrossProcessEngine:
+        return cls(Deployment.build(config, role="decode", progress=progress),
+                   prefill_address, **kwargs)
+
+    def _build_workers(self) -> None:
+        cfg = self.config
+        inst = self.deployment.pools["decode"][0]
+        receiver = KVReceiver(inst, pull_timeout_s=cfg.transfer.pull_timeout_s)
+        # Handoffs arrive pulled already: the decode worker only scatters them in.
+        worker = DecodeWorker("decode[0]", inst, pool_blocks(inst, False), {0: receiver.sink},
+                              self, self.router.handoff_queue)
+        self.decoders.append(worker)
+        self.prefillers.append(RemotePrefill(self.prefill_address, self.decoders, self,
+                                             receiver, cfg.transfer.on_failure))
+
+    def close(self) -> None:
+        super().close()
+        for w in self.prefillers:
+            w.close()

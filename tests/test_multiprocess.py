@@ -1,0 +1,186 @@
+"""Pools in separate processes (configs/cpu-2proc.yaml), as `jaxdisagg launch` runs them.
+
+Greedy tokens over the wire equal the reference generator's; the pools are pinned to
+different cores; cancels and an abort storm leak nothing on either pool; and the
+faults are bounded in time: a prefill process that dies turns into UNAVAILABLE, and
+offers a decode process never pulls are freed when their lease ends.
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from jaxdisagg.mesh.control import ControlClient
+from jaxdisagg.model import ReferenceGenerator, SamplingParams
+from jaxdisagg.model.weights import load_model
+from jaxdisagg.serve.client import Client
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "cpu-2proc.yaml"
+
+
+def start(*args) -> tuple[subprocess.Popen, str]:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", *map(str, args)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            env={**env, "JAX_PLATFORMS": "cpu"})
+    line = proc.stdout.readline()  # bounded: READY or the process exits
+    assert line.startswith("READY"), f"{args[:3]} did not start: {line!r}"
+    return proc, line
+
+
+def stop(proc, timeout=90) -> str:
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=timeout)
+    return out
+
+
+def drained(client, timeout=30) -> dict:
+    """Nothing in flight; no KV block used on the decode pool or (remotely) the prefill
+    pool; no offer held by the prefill process."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = json.loads(client.info().metrics_json)
+        pre, dec = m["pools"]["prefill[0]"], m["pools"]["decode[0]"]
+        if (m["in_flight"] == 0 and dec["kv_blocks_used"] == 0 and pre["kv_blocks_used"] == 0
+                and pre["offers_held"] == 0 and not pre["queued_requests"]):
+            return m
+        assert time.monotonic() < deadline, f"not drained: {m}"
+        time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model, _ = load_model("tiny")
+    return ReferenceGenerator(model)
+
+
+@pytest.fixture(scope="module")
+def launched():
+    proc, line = start("launch", "--config", CONFIG, "--port", 0)
+    yield proc, line.split()[1], line
+    if proc.poll() is None:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(launched):
+    with Client(launched[1]) as c:
+        yield c
+
+
+def test_greedy_tokens_across_processes_equal_the_reference(client, reference):
+    prompts = [[256, 1, 2, 3], [256] + list(range(150)), [256] + list(range(40, 80))]
+    for prompt in prompts:
+        got = client.generate(prompt, max_tokens=6)
+        assert got["token_ids"] == reference.generate([prompt], SamplingParams(max_tokens=6))[0]
+        assert got["timings"].transfer_bytes > 0  # the KV crossed between the processes
+    info = client.info()
+    assert info.mode == "disaggregated" and json.loads(info.config_json)["transfer"][
+        "kind"] == "cross_process"
+    drained(client)
+
+
+def test_pools_are_pinned_to_different_cores(launched):
+    _, _, line = launched
+    if len(os.sched_getaffinity(0)) < 2:
+        assert "not pinned" in line
+        return
+    pids = [int(line.split(f"{role} pid ")[1].split()[0]) for role in ("prefill", "decode")]
+    cores = [os.sched_getaffinity(pid) for pid in pids]
+    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1]
+
+
+def test_abort_storm_leaks_nothing(client, reference):
+    rng = random.Random(0)
+    calls = []
+    for i in range(60):
+        prompt = [256] + [rng.randrange(256) for _ in range(rng.randrange(1, 200))]
+        calls.append(client.stream(prompt, max_tokens=rng.randrange(1, 60), ignore_eos=True,
+                                   request_id=f"storm-{i}"))
+        if rng.random() < 0.7:
+            time.sleep(rng.random() * 0.02)
+            if rng.random() < 0.5:
+                calls[-1].cancel()  # the client walks away
+            else:
+                _abort(client, f"storm-{i}")
+    for call in calls:
+        try:
+            list(call)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.CANCELLED
+    drained(client, timeout=60)
+    prompt = [256, 7, 7, 7]
+    assert client.generate(prompt, max_tokens=4)["token_ids"] == reference.generate(
+        [prompt], SamplingParams(max_tokens=4))[0]
+
+
+def _abort(client, rid):
+    try:
+        client.abort(rid)
+    except grpc.RpcError as e:  # it may not have reached the engine yet, or be done
+        assert e.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_launch_drains_on_sigterm(launched, client):
+    proc = launched[0]
+    stream = client.stream([256, 1, 2], max_tokens=30, ignore_eos=True)
+    next(stream)
+    out = stop(proc)
+    assert proc.returncode == 0 and "draining" in out and "stopped" in out
+    assert list(stream)[-1].finish_reason == "length"
+
+
+def test_prefill_process_killed_gives_unavailable_not_a_hang():
+    prefill, line = start("serve", "--config", CONFIG, "--role", "prefill")
+    decode = None
+    try:
+        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
+                              line.split()[1], "--port", 0)
+        with Client(dline.split()[1]) as client:
+            assert client.generate([256, 1, 2], max_tokens=3)["finish_reason"] == "length"
+            prefill.kill()
+            prefill.wait(timeout=10)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate([256] + list(range(100)), max_tokens=5, timeout=60)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "prefill pool unavailable" in e.value.details()
+            assert time.monotonic() - t0 < 20
+            m = json.loads(client.info().metrics_json)
+            assert m["in_flight"] == 0 and m["pools"]["decode[0]"]["kv_blocks_used"] == 0
+            assert m["pools"]["prefill[0]"]["reachable"] == 0
+    finally:
+        for p in (decode, prefill):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_offers_never_pulled_are_freed_within_the_lease(tmp_path):
+    cfg = tmp_path / "short-lease.yaml"
+    cfg.write_text(CONFIG.read_text().replace("lease_s: 30", "lease_s: 2"))
+    prefill, line = start("serve", "--config", cfg, "--role", "prefill")
+    try:
+        control = ControlClient(line.split()[1])
+        reply = control.call("prefill", {
+            "request_id": "orphan", "prompt": [256] + list(range(90)),
+            "params": {"max_tokens": 8}, "stop_ids": []}, timeout=60)
+        assert reply["offers"], reply  # offered, and the decode side "dies" before pulling
+        assert control.call("stats", {})["gauges"]["offers_held"] == 1
+        t0 = time.monotonic()
+        while control.call("stats", {})["gauges"]["offers_held"]:
+            assert time.monotonic() - t0 < 6, "the lease did not free the offer"
+            time.sleep(0.2)
+        gauges = control.call("stats", {})["gauges"]
+        assert gauges["kv_blocks_used"] == 0 and gauges["queued_requests"] == 0
+        control.close()
+    finally:
+        stop(prefill)
