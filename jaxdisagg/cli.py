@@ -112,7 +112,7 @@ def cmd_serve(args) -> int:
     elif args.role == "decode" and args.prefill:
         from jaxdisagg.serve.remote import CrossProcessEngine
 
-        engine = CrossProcessEngine.build(cfg, args.prefill, progress=True)
+        engine = CrossProcessEngine.build(cfg, args.prefill.split(","), progress=True)
     else:
         raise ValueError("--role: a cross_process config runs one pool per process: "
                          "`serve --role prefill`, then `serve --role decode --prefill "
@@ -280,8 +280,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-message-bytes", type=int, default=4 * 2**20)
     s.add_argument("--role", choices=("prefill", "decode"), default=None,
                    help="run one pool of a cross_process config")
-    s.add_argument("--prefill", metavar="HOST:PORT",
-                   help="the prefill process's control address (--role decode)")
+    s.add_argument("--prefill", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="control addresses of the prefill processes (--role decode); the "
+                        "decode process routes among the healthy ones")
     s.add_argument("--control-port", type=int, default=0,
                    help="control port of the prefill process (--role prefill)")
     s.set_defaults(fn=cmd_serve)

@@ -102,8 +102,8 @@ def test_pools_are_pinned_to_different_cores(launched):
 def test_abort_storm_leaks_nothing(client, reference):
     rng = random.Random(0)
     calls = []
-    for i in range(60):
-        prompt = [256] + [rng.randrange(256) for _ in range(rng.randrange(1, 200))]
+    for i in range(200):
+        prompt = [256] + [rng.randrange(256) for _ in range(rng.randrange(1, 150))]
         calls.append(client.stream(prompt, max_tokens=rng.randrange(1, 60), ignore_eos=True,
                                    request_id=f"storm-{i}"))
         if rng.random() < 0.7:
@@ -184,3 +184,70 @@ def test_offers_never_pulled_are_freed_within_the_lease(tmp_path):
         control.close()
     finally:
         stop(prefill)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prefill_pool_restarted_serves_again(reference):
+    port = free_port()
+    prefill, line = start("serve", "--config", CONFIG, "--role", "prefill", "--control-port",
+                          port)
+    decode = None
+    try:
+        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
+                              line.split()[1], "--port", 0)
+        with Client(dline.split()[1]) as client:
+            prompt = [256] + list(range(70))
+            want = reference.generate([prompt], SamplingParams(max_tokens=4))[0]
+            assert client.generate(prompt, max_tokens=4)["token_ids"] == want
+            prefill.kill()
+            prefill.wait(timeout=10)
+            with pytest.raises(grpc.RpcError):
+                client.generate(prompt, max_tokens=4, timeout=60)
+            prefill, _ = start("serve", "--config", CONFIG, "--role", "prefill",
+                               "--control-port", port)  # back on the same address
+            deadline = time.monotonic() + 30
+            while True:  # the channel reconnects by itself
+                try:
+                    got = client.generate(prompt, max_tokens=4, timeout=60)
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE
+                    assert time.monotonic() < deadline, "routing did not resume"
+                    time.sleep(0.5)
+            assert got["token_ids"] == want
+            assert json.loads(client.info().metrics_json)["pools"]["prefill[0]"]["reachable"]
+    finally:
+        for p in (decode, prefill):
+            if p is not None and p.poll() is None:
+                p.kill()
+
+
+def test_router_skips_a_prefill_process_that_is_down(reference):
+    prefills = [start("serve", "--config", CONFIG, "--role", "prefill") for _ in range(2)]
+    decode = None
+    try:
+        addresses = ",".join(line.split()[1] for _, line in prefills)
+        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
+                              addresses, "--port", 0)
+        with Client(dline.split()[1]) as client:
+            prompt = [256] + list(range(30))
+            want = reference.generate([prompt], SamplingParams(max_tokens=3))[0]
+            assert client.generate(prompt, max_tokens=3)["token_ids"] == want
+            prefills[0][0].kill()
+            prefills[0][0].wait(timeout=10)
+            time.sleep(2.5)  # health checks run every second
+            pools = json.loads(client.info().metrics_json)["pools"]
+            assert pools["prefill[0]"]["reachable"] == 0 and pools["prefill[1]"]["reachable"]
+            for _ in range(4):  # every request goes to the live one
+                assert client.generate(prompt, max_tokens=3, timeout=60)["token_ids"] == want
+    finally:
+        for p in (decode, *(p for p, _ in prefills)):
+            if p is not None and p.poll() is None:
+                p.kill()

@@ -546,7 +546,9 @@ class DisaggregatedEngine(Engine):
             decode.post("job", job)
             return
         # Best prefix hit first (skipped tokens), then the shortest queue.
-        i = max(range(len(self.prefillers)),
+        # Healthy instances only (all of them if none is: the request then fails fast).
+        alive = [i for i, w in enumerate(self.prefillers) if w.healthy]
+        i = max(alive or range(len(self.prefillers)),
                 key=lambda i: (self.prefillers[i].prefix_hit(req.prompt), -self._queued[i]))
         self._queued[i] += len(req.prompt)
         req.prefill_slot = i

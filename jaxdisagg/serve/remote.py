@@ -201,8 +201,9 @@ class RemotePrefill:
     """
 
     def __init__(self, address: str, decoders: list[DecodeWorker], listener,
-                 receiver: KVReceiver, on_failure: str = "fail", rpc_timeout_s: float = 300.0):
-        self.name = "prefill[0]"
+                 receiver: KVReceiver, on_failure: str = "fail", rpc_timeout_s: float = 300.0,
+                 name: str = "prefill[0]", health_every_s: float = 1.0):
+        self.name = name
         self.address, self.decoders, self.listener = address, decoders, listener
         self.receiver, self.on_failure = receiver, on_failure
         self.transfer_failures = 0
@@ -215,6 +216,20 @@ class RemotePrefill:
         self._calls = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rprefill")
         self._inflight = 0
         self.wake = None
+        self.healthy = True  # the router skips an unhealthy prefill process
+        self._health_every_s = health_every_s
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="rprefill-health")
+        self._watcher.start()
+
+    def _watch(self) -> None:
+        """Health checks: a process that stops answering is routed around until it is back."""
+        while not self._closed.wait(self._health_every_s):
+            try:
+                self._gauges = self.client.call("stats", {}, timeout=self._health_every_s)[
+                    "gauges"]
+                self.healthy = True
+            except grpc.RpcError:
+                self.healthy = False
 
     def prefix_hit(self, prompt) -> int:
         return 0  # the prefill process routes on its own cache; one instance here
@@ -242,10 +257,13 @@ class RemotePrefill:
                 timeout=self.rpc_timeout_s + 5)
         except grpc.RpcError as e:
             self._inflight -= 1
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.healthy = False
             self.listener.finish(rid, [], f"error: prefill pool unavailable "
                                           f"({e.code().name}: {e.details()})")
             return
         self._inflight -= 1
+        self.healthy = True
         for event, offset in reply.get("marks", {}).items():
             if event in ("prefill_start", "prefill_end"):  # the other process's clock
                 self.listener.mark(rid, event, sent + offset)
@@ -304,12 +322,9 @@ class RemotePrefill:
         pass
 
     def gauges(self) -> dict:
-        try:
-            self._gauges = self.client.call("stats", {}, timeout=2)["gauges"]
-        except grpc.RpcError:
-            return {**self._gauges, "reachable": 0}
-        return {**self._gauges, "reachable": 1, "calls_in_flight": self._inflight,
-                "transfer_failures": self.transfer_failures}
+        """The prefill process's own gauges as of the last health check."""
+        return {**self._gauges, "reachable": int(self.healthy),
+                "calls_in_flight": self._inflight, "transfer_failures": self.transfer_failures}
 
     def close(self) -> None:
         self._closed.set()
@@ -320,15 +335,17 @@ class RemotePrefill:
 class CrossProcessEngine(DisaggregatedEngine):
     """The decode process of a cross-process deployment, fronting the requests."""
 
-    def __init__(self, deployment: Deployment, prefill_address: str, **kwargs):
-        self.prefill_address = prefill_address
+    def __init__(self, deployment: Deployment, prefill_addresses: list[str], **kwargs):
+        if not prefill_addresses:
+            raise ValueError("--prefill: give at least one prefill process address")
+        self.prefill_addresses = list(prefill_addresses)
         super().__init__(deployment, **kwargs)
 
     @classmethod
-    def build(cls, config: DeploymentConfig, prefill_address: str, progress: bool = False,
-              **kwargs) -> CrossProcessEngine:
+    def build(cls, config: DeploymentConfig, prefill_addresses: list[str],
+              progress: bool = False, **kwargs) -> CrossProcessEngine:
         return cls(Deployment.build(config, role="decode", progress=progress),
-                   prefill_address, **kwargs)
+                   prefill_addresses, **kwargs)
 
     def _build_workers(self) -> None:
         cfg = self.config
@@ -338,8 +355,9 @@ class CrossProcessEngine(DisaggregatedEngine):
         worker = DecodeWorker("decode[0]", inst, pool_blocks(inst, False), {0: receiver.sink},
                               self, self.router.handoff_queue)
         self.decoders.append(worker)
-        self.prefillers.append(RemotePrefill(self.prefill_address, self.decoders, self,
-                                             receiver, cfg.transfer.on_failure))
+        for i, address in enumerate(self.prefill_addresses):
+            self.prefillers.append(RemotePrefill(address, self.decoders, self, receiver,
+                                                 cfg.transfer.on_failure, name=f"prefill[{i}]"))
 
     def close(self) -> None:
         super().close()

@@ -203,8 +203,11 @@ class Server:
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
                  limits: ServerLimits | None = None, metrics_port: int | None = None,
-                 workers: int = 32):
+                 workers: int | None = None):
         self.engine = engine
+        # A stream holds a thread while it lasts: room for every request the engine
+        # admits (router.max_requests), plus some for Abort, Info and health checks.
+        workers = workers or engine.router.max_requests + 16
         self.limits = limits or ServerLimits()
         opts = [("grpc.max_receive_message_length", self.limits.max_message_bytes),
                 ("grpc.max_send_message_length", self.limits.max_message_bytes)]

@@ -58,6 +58,8 @@ def _first_token_ends(job: PrefillJob, token: int) -> str | None:
 
 
 class _Worker:
+    healthy = True  # an in-process worker is as alive as the process
+
     def __init__(self, name: str, listener: Listener):
         self.name, self.listener = name, listener
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("job", PrefillJob) | ("cancel", id)
