@@ -251,3 +251,39 @@ def test_router_skips_a_prefill_process_that_is_down(reference):
         for p in (decode, *(p for p, _ in prefills)):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def test_decode_process_killed_mid_stream(tmp_path):
+    """The client gets UNAVAILABLE at once; the prefill process holds nothing after the lease."""
+    cfg = tmp_path / "short-lease.yaml"
+    cfg.write_text(CONFIG.read_text().replace("lease_s: 30", "lease_s: 2"))
+    prefill, line = start("serve", "--config", cfg, "--role", "prefill")
+    decode = None
+    try:
+        decode, dline = start("serve", "--config", cfg, "--role", "decode", "--prefill",
+                              line.split()[1], "--port", 0)
+        with Client(dline.split()[1]) as client:
+            streams = [client.stream([256] + [7] * n, max_tokens=200, ignore_eos=True)
+                       for n in (10, 300, 600)]
+            next(streams[0])
+            decode.kill()
+            t0 = time.monotonic()
+            for s in streams:
+                with pytest.raises(grpc.RpcError) as e:
+                    list(s)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert time.monotonic() - t0 < 10
+        control = ControlClient(line.split()[1])
+        deadline = time.monotonic() + 15
+        while True:
+            gauges = control.call("stats", {})["gauges"]
+            if not (gauges["offers_held"] or gauges["kv_blocks_used"]
+                    or gauges["queued_requests"]):
+                break
+            assert time.monotonic() < deadline, f"prefill side still holds KV: {gauges}"
+            time.sleep(0.2)
+        control.close()
+    finally:
+        for p in (decode, prefill):
+            if p is not None and p.poll() is None:
+                p.kill()
