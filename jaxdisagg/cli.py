@@ -102,6 +102,13 @@ def cmd_serve(args) -> int:
     limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens,
                           max_new_tokens=args.max_new_tokens,
                           max_message_bytes=args.max_message_bytes)
+    if args.role == "router":
+        from jaxdisagg.serve.router import Router
+
+        if not args.decode:
+            raise ValueError("--decode: the router needs the decode processes' addresses")
+        serve_forever(Router(args.decode.split(","), args.host, args.port))
+        return 0
     if cfg.transfer.kind != "cross_process":
         if args.role:
             raise ValueError(f"--role: {args.config} runs its pools in one process; --role "
@@ -152,7 +159,7 @@ def _serve_prefill(cfg, args) -> int:
 
 
 def cmd_launch(args) -> int:
-    """Starts the prefill and decode processes of a cross_process config on this host."""
+    """Starts a cross_process config's processes on this host: prefill, decode, router."""
     import subprocess
 
     from jaxdisagg.mesh.config import load_config
@@ -163,8 +170,16 @@ def cmd_launch(args) -> int:
                          "it with `jaxdisagg serve --config ...`")
     cores = sorted(os.sched_getaffinity(0))
 
-    def pinned(i):  # prefill on one core, decode on another: they never share compute
-        return (lambda: os.sched_setaffinity(0, {cores[i]})) if len(cores) > 1 else None
+    def pinned(i):
+        def setup():
+            # The pools die with the launcher, even if it is SIGKILLed (no orphans).
+            import ctypes
+            import signal
+
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+            if len(cores) > 1:  # prefill on one core, decode on another: no shared compute
+                os.sched_setaffinity(0, {cores[i]})
+        return setup
 
     def start(i, *extra):
         proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "serve", "--config",
@@ -177,25 +192,33 @@ def cmd_launch(args) -> int:
         return proc, line.split()[1]
 
     stop = _wait_for_signal()
-    prefill, address = start(0, "--role", "prefill", "--control-port", "0")
+    procs = []
     try:
+        prefill, address = start(0, "--role", "prefill", "--control-port", "0")
+        procs.append(prefill)
         metrics = [] if args.metrics_port is None else ["--metrics-port",
                                                         str(args.metrics_port)]
-        decode, public = start(1 % max(1, len(cores)), "--role", "decode", "--prefill",
-                               address, "--host", args.host, "--port", str(args.port),
-                               *metrics)
+        decode, internal = start(1 % len(cores), "--role", "decode", "--prefill", address,
+                                 "--port", "0", *metrics)
+        procs.append(decode)
+        # The router is light (it forwards bytes): it shares the decode core.
+        router, public = start(1 % len(cores), "--role", "router", "--decode", internal,
+                               "--host", args.host, "--port", str(args.port))
+        procs.append(router)
     except BaseException:
-        prefill.terminate()
+        for proc in procs:
+            proc.terminate()
         raise
     where = (f"prefill pid {prefill.pid} on core {cores[0]}, decode pid {decode.pid} on core "
-             f"{cores[1]}" if len(cores) > 1 else "one core: not pinned")
-    print(f"READY {public} ({where})", flush=True)
+             f"{cores[1]}" if len(cores) > 1 else
+             f"prefill pid {prefill.pid}, decode pid {decode.pid}: one core, not pinned")
+    print(f"READY {public} ({where}, router pid {router.pid})", flush=True)
     while not stop.wait(0.5):
-        if prefill.poll() is not None or decode.poll() is not None:
+        if any(proc.poll() is not None for proc in procs):
             print("a pool process exited; stopping", flush=True)
             break
     print("draining", flush=True)
-    for proc in (decode, prefill):  # decode first: it finishes what is in flight
+    for proc in (router, decode, prefill):  # front first: what is in flight finishes
         if proc.poll() is None:
             proc.terminate()
         try:
@@ -278,8 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-prompt-tokens", type=int, default=None)
     s.add_argument("--max-new-tokens", type=int, default=4096)
     s.add_argument("--max-message-bytes", type=int, default=4 * 2**20)
-    s.add_argument("--role", choices=("prefill", "decode"), default=None,
-                   help="run one pool of a cross_process config")
+    s.add_argument("--role", choices=("prefill", "decode", "router"), default=None,
+                   help="run one pool of a cross_process config, or the router in front")
+    s.add_argument("--decode", metavar="HOST:PORT[,HOST:PORT...]",
+                   help="the decode processes' serving addresses (--role router)")
     s.add_argument("--prefill", metavar="HOST:PORT[,HOST:PORT...]",
                    help="control addresses of the prefill processes (--role decode); the "
                         "decode process routes among the healthy ones")

@@ -6,6 +6,7 @@ faults are bounded in time: a prefill process that dies turns into UNAVAILABLE, 
 offers a decode process never pulls are freed when their lease ends.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -57,6 +59,40 @@ def drained(client, timeout=30) -> dict:
         time.sleep(0.1)
 
 
+@contextlib.contextmanager
+def roles(config=CONFIG, prefills=1, control_port=None):
+    """Prefill process(es) and a decode process fronting them, killed at the end.
+
+    Yields a namespace: procs (every process started, tests append restarts),
+    prefills, addresses, decode, decode_address, client.
+    """
+    procs = []
+    try:
+        addresses = []
+        for _ in range(prefills):
+            port = ["--control-port", control_port] if control_port else []
+            proc, line = start("serve", "--config", config, "--role", "prefill", *port)
+            procs.append(proc)
+            addresses.append(line.split()[1])
+        decode, dline = start("serve", "--config", config, "--role", "decode", "--prefill",
+                              ",".join(addresses), "--port", 0)
+        procs.append(decode)
+        with Client(dline.split()[1]) as client:
+            yield SimpleNamespace(procs=procs, prefills=procs[:-1], addresses=addresses,
+                                  decode=decode, decode_address=dline.split()[1],
+                                  client=client)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+
+
+def short_lease(tmp_path) -> Path:
+    cfg = tmp_path / "short-lease.yaml"
+    cfg.write_text(CONFIG.read_text().replace("lease_s: 30", "lease_s: 2"))
+    return cfg
+
+
 @pytest.fixture(scope="module")
 def reference():
     model, _ = load_model("tiny")
@@ -67,8 +103,9 @@ def reference():
 def launched():
     proc, line = start("launch", "--config", CONFIG, "--port", 0)
     yield proc, line.split()[1], line
-    if proc.poll() is None:
+    if proc.poll() is None:  # a failed test left it running: its pools go with it
         proc.kill()
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -140,34 +177,24 @@ def test_launch_drains_on_sigterm(launched, client):
 
 
 def test_prefill_process_killed_gives_unavailable_not_a_hang():
-    prefill, line = start("serve", "--config", CONFIG, "--role", "prefill")
-    decode = None
-    try:
-        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
-                              line.split()[1], "--port", 0)
-        with Client(dline.split()[1]) as client:
-            assert client.generate([256, 1, 2], max_tokens=3)["finish_reason"] == "length"
-            prefill.kill()
-            prefill.wait(timeout=10)
-            t0 = time.monotonic()
-            with pytest.raises(grpc.RpcError) as e:
-                client.generate([256] + list(range(100)), max_tokens=5, timeout=60)
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "prefill pool unavailable" in e.value.details()
-            assert time.monotonic() - t0 < 20
-            m = json.loads(client.info().metrics_json)
-            assert m["in_flight"] == 0 and m["pools"]["decode[0]"]["kv_blocks_used"] == 0
-            assert m["pools"]["prefill[0]"]["reachable"] == 0
-    finally:
-        for p in (decode, prefill):
-            if p is not None and p.poll() is None:
-                p.kill()
+    with roles() as r:
+        client = r.client
+        assert client.generate([256, 1, 2], max_tokens=3)["finish_reason"] == "length"
+        r.prefills[0].kill()
+        r.prefills[0].wait(timeout=10)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            client.generate([256] + list(range(100)), max_tokens=5, timeout=60)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "prefill pool unavailable" in e.value.details()
+        assert time.monotonic() - t0 < 20
+        m = json.loads(client.info().metrics_json)
+        assert m["in_flight"] == 0 and m["pools"]["decode[0]"]["kv_blocks_used"] == 0
+        assert m["pools"]["prefill[0]"]["reachable"] == 0
 
 
 def test_offers_never_pulled_are_freed_within_the_lease(tmp_path):
-    cfg = tmp_path / "short-lease.yaml"
-    cfg.write_text(CONFIG.read_text().replace("lease_s: 30", "lease_s: 2"))
-    prefill, line = start("serve", "--config", cfg, "--role", "prefill")
+    prefill, line = start("serve", "--config", short_lease(tmp_path), "--role", "prefill")
     try:
         control = ControlClient(line.split()[1])
         reply = control.call("prefill", {
@@ -196,84 +223,60 @@ def free_port() -> int:
 
 def test_prefill_pool_restarted_serves_again(reference):
     port = free_port()
-    prefill, line = start("serve", "--config", CONFIG, "--role", "prefill", "--control-port",
-                          port)
-    decode = None
-    try:
-        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
-                              line.split()[1], "--port", 0)
-        with Client(dline.split()[1]) as client:
-            prompt = [256] + list(range(70))
-            want = reference.generate([prompt], SamplingParams(max_tokens=4))[0]
-            assert client.generate(prompt, max_tokens=4)["token_ids"] == want
-            prefill.kill()
-            prefill.wait(timeout=10)
-            with pytest.raises(grpc.RpcError):
-                client.generate(prompt, max_tokens=4, timeout=60)
-            prefill, _ = start("serve", "--config", CONFIG, "--role", "prefill",
-                               "--control-port", port)  # back on the same address
-            deadline = time.monotonic() + 30
-            while True:  # the channel reconnects by itself
-                try:
-                    got = client.generate(prompt, max_tokens=4, timeout=60)
-                    break
-                except grpc.RpcError as e:
-                    assert e.code() == grpc.StatusCode.UNAVAILABLE
-                    assert time.monotonic() < deadline, "routing did not resume"
-                    time.sleep(0.5)
-            assert got["token_ids"] == want
-            assert json.loads(client.info().metrics_json)["pools"]["prefill[0]"]["reachable"]
-    finally:
-        for p in (decode, prefill):
-            if p is not None and p.poll() is None:
-                p.kill()
+    with roles(control_port=port) as r:
+        client = r.client
+        prompt = [256] + list(range(70))
+        want = reference.generate([prompt], SamplingParams(max_tokens=4))[0]
+        assert client.generate(prompt, max_tokens=4)["token_ids"] == want
+        r.prefills[0].kill()
+        r.prefills[0].wait(timeout=10)
+        with pytest.raises(grpc.RpcError):
+            client.generate(prompt, max_tokens=4, timeout=60)
+        # Back on the same address: the channel reconnects by itself.
+        r.procs.append(start("serve", "--config", CONFIG, "--role", "prefill",
+                             "--control-port", port)[0])
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                got = client.generate(prompt, max_tokens=4, timeout=60)
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.UNAVAILABLE
+                assert time.monotonic() < deadline, "routing did not resume"
+                time.sleep(0.5)
+        assert got["token_ids"] == want
+        assert json.loads(client.info().metrics_json)["pools"]["prefill[0]"]["reachable"]
 
 
 def test_router_skips_a_prefill_process_that_is_down(reference):
-    prefills = [start("serve", "--config", CONFIG, "--role", "prefill") for _ in range(2)]
-    decode = None
-    try:
-        addresses = ",".join(line.split()[1] for _, line in prefills)
-        decode, dline = start("serve", "--config", CONFIG, "--role", "decode", "--prefill",
-                              addresses, "--port", 0)
-        with Client(dline.split()[1]) as client:
-            prompt = [256] + list(range(30))
-            want = reference.generate([prompt], SamplingParams(max_tokens=3))[0]
-            assert client.generate(prompt, max_tokens=3)["token_ids"] == want
-            prefills[0][0].kill()
-            prefills[0][0].wait(timeout=10)
-            time.sleep(2.5)  # health checks run every second
-            pools = json.loads(client.info().metrics_json)["pools"]
-            assert pools["prefill[0]"]["reachable"] == 0 and pools["prefill[1]"]["reachable"]
-            for _ in range(4):  # every request goes to the live one
-                assert client.generate(prompt, max_tokens=3, timeout=60)["token_ids"] == want
-    finally:
-        for p in (decode, *(p for p, _ in prefills)):
-            if p is not None and p.poll() is None:
-                p.kill()
+    with roles(prefills=2) as r:
+        client = r.client
+        prompt = [256] + list(range(30))
+        want = reference.generate([prompt], SamplingParams(max_tokens=3))[0]
+        assert client.generate(prompt, max_tokens=3)["token_ids"] == want
+        r.prefills[0].kill()
+        r.prefills[0].wait(timeout=10)
+        time.sleep(2.5)  # health checks run every second
+        pools = json.loads(client.info().metrics_json)["pools"]
+        assert pools["prefill[0]"]["reachable"] == 0 and pools["prefill[1]"]["reachable"]
+        for _ in range(4):  # every request goes to the live one
+            assert client.generate(prompt, max_tokens=3, timeout=60)["token_ids"] == want
 
 
 def test_decode_process_killed_mid_stream(tmp_path):
     """The client gets UNAVAILABLE at once; the prefill process holds nothing after the lease."""
-    cfg = tmp_path / "short-lease.yaml"
-    cfg.write_text(CONFIG.read_text().replace("lease_s: 30", "lease_s: 2"))
-    prefill, line = start("serve", "--config", cfg, "--role", "prefill")
-    decode = None
-    try:
-        decode, dline = start("serve", "--config", cfg, "--role", "decode", "--prefill",
-                              line.split()[1], "--port", 0)
-        with Client(dline.split()[1]) as client:
-            streams = [client.stream([256] + [7] * n, max_tokens=200, ignore_eos=True)
-                       for n in (10, 300, 600)]
-            next(streams[0])
-            decode.kill()
-            t0 = time.monotonic()
-            for s in streams:
-                with pytest.raises(grpc.RpcError) as e:
-                    list(s)
-                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert time.monotonic() - t0 < 10
-        control = ControlClient(line.split()[1])
+    with roles(short_lease(tmp_path)) as r:
+        streams = [r.client.stream([256] + [7] * n, max_tokens=200, ignore_eos=True)
+                   for n in (10, 300, 600)]
+        next(streams[0])
+        r.decode.kill()
+        t0 = time.monotonic()
+        for s in streams:
+            with pytest.raises(grpc.RpcError) as e:
+                list(s)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 10
+        control = ControlClient(r.addresses[0])
         deadline = time.monotonic() + 15
         while True:
             gauges = control.call("stats", {})["gauges"]
@@ -283,6 +286,79 @@ def test_decode_process_killed_mid_stream(tmp_path):
             assert time.monotonic() < deadline, f"prefill side still holds KV: {gauges}"
             time.sleep(0.2)
         control.close()
+
+
+def test_pools_die_with_a_killed_launcher():
+    proc, line = start("launch", "--config", CONFIG, "--port", 0)
+    pids = [int(line.split(f"{role} pid ")[1].split()[0].rstrip(",):"))
+            for role in ("prefill", "decode", "router")]
+    proc.kill()  # SIGKILL: the launcher cannot clean up itself
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 30
+    for pid in pids:
+        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(
+                f"/proc/{pid}/status").read_text().lower():
+            assert time.monotonic() < deadline, f"pool process {pid} outlived the launcher"
+            time.sleep(0.2)
+
+
+def test_router_health_follows_its_decode_pools(reference):
+    with roles() as r:
+        decode_address = r.decode_address
+        router, line = start("serve", "--role", "router", "--decode", decode_address,
+                             "--port", 0)
+        r.procs.append(router)
+        with Client(line.split()[1]) as client:
+            assert client.health() == "SERVING"
+            prompt = [256, 4, 5, 6]
+            want = reference.generate([prompt], SamplingParams(max_tokens=3))[0]
+            assert client.generate(prompt, max_tokens=3)["token_ids"] == want
+            assert json.loads(client.info().metrics_json)["router"][decode_address]["healthy"]
+            r.decode.kill()
+            r.decode.wait(timeout=10)
+            t0 = time.monotonic()
+            while client.health() == "SERVING":
+                assert time.monotonic() - t0 < 5, "the router did not notice"
+                time.sleep(0.2)
+            with pytest.raises(grpc.RpcError) as e:
+                client.generate(prompt, max_tokens=3, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "no decode pool" in e.value.details()
+        assert stop(router) and router.returncode == 0
+
+
+@pytest.mark.parametrize("policy", ["fail", "recompute"])
+def test_prefill_process_dies_while_decode_pulls(tmp_path, reference, monkeypatch, policy):
+    """The decode side's watchdog ends the pull in time; the request fails with
+    UNAVAILABLE, or (`on_failure: recompute`) is prefilled on the decode pool and gives
+    the reference tokens."""
+    cfg = tmp_path / "pull.yaml"
+    cfg.write_text(CONFIG.read_text().replace("pull_timeout_s: 10", "pull_timeout_s: 2")
+                   .replace("lease_s: 30", f"lease_s: 30\n  on_failure: {policy}"))
+    monkeypatch.setenv("JAXDISAGG_FAILPOINT", "die_after_offer")  # the prefill process's
+    prefill, line = start("serve", "--config", cfg, "--role", "prefill")
+    monkeypatch.delenv("JAXDISAGG_FAILPOINT")
+    decode = None
+    try:
+        decode, dline = start("serve", "--config", cfg, "--role", "decode", "--prefill",
+                              line.split()[1], "--port", 0)
+        with Client(dline.split()[1]) as client:
+            prompt = [256] + list(range(50))
+            t0 = time.monotonic()
+            if policy == "fail":
+                with pytest.raises(grpc.RpcError) as e:
+                    client.generate(prompt, max_tokens=4, timeout=60)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "KV transfer failed" in e.value.details()
+            else:
+                got = client.generate(prompt, max_tokens=4, timeout=60)
+                want = reference.generate([prompt], SamplingParams(max_tokens=4))[0]
+                assert got["token_ids"] == want and "transfer_failed" in got["timings"].timeline
+            assert time.monotonic() - t0 < 15  # the 2 s watchdog, not a hang
+            m = json.loads(client.info().metrics_json)
+            assert m["in_flight"] == 0 and m["pools"]["decode[0]"]["kv_blocks_used"] == 0
+            assert m["pools"]["prefill[0]"]["transfer_failures"] == 1
+        assert prefill.wait(timeout=10) == 3  # it did die
     finally:
         for p in (decode, prefill):
             if p is not None and p.poll() is None:

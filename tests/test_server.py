@@ -257,7 +257,8 @@ def test_prometheus_metrics(server, client):
                  'jaxdisagg_pool_slots_used{pool="decode[0]"}',
                  'jaxdisagg_pool_queued_requests{pool="prefill[0]"}',
                  'jaxdisagg_pool_prefix_hit_rate{pool="prefill[0]"}',
-                 "jaxdisagg_transfer_bytes_total", "jaxdisagg_requests_in_flight"):
+                 "jaxdisagg_transfer_bytes_total", "jaxdisagg_requests_in_flight",
+                 "jaxdisagg_transfer_seconds_count", "jaxdisagg_transfer_failures_total"):
         assert name in text, name
     moved = [ln for ln in text.splitlines() if ln.startswith("jaxdisagg_transfer_bytes_total")]
     assert float(moved[0].split()[-1]) > 0

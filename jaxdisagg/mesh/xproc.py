@@ -127,6 +127,12 @@ class KVSender:
                        np.dtype(staged.dtype).name, tuple(tuple(a.shape) for a in arrays),
                        tuple(p.heads for p in pieces))
 
+    def drop_offers(self) -> None:
+        """Forgets every offer at once (fault injection: the data is gone)."""
+        with self._lock:
+            self._held.clear()
+        self._server = _start_transfer_server()  # a new server: old uuids are never served
+
     def held(self) -> int:
         """Offers still held (neither released nor expired)."""
         with self._lock:

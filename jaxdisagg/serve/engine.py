@@ -36,7 +36,7 @@ from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
 
 # Lifecycle marks, in the order a disaggregated request passes them.
 STAGES = ("arrival", "prefill_start", "prefill_end", "transfer_start", "transfer_end",
-          "decode_insert", "first_token", "finish")
+          "transfer_failed", "decode_insert", "first_token", "finish")
 
 
 class QueueFull(RuntimeError):

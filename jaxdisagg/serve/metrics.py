@@ -51,6 +51,9 @@ class PrometheusExporter:
                               "prompt tokens served from the prefix cache", registry=r)
         self.transfer = Counter("jaxdisagg_transfer_bytes", "KV bytes moved between pools",
                                 registry=r)
+        self.transfer_time = Histogram(
+            "jaxdisagg_transfer_seconds", "first KV leaving the prefill pool -> all landed",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.transfer_failures = Counter(
             "jaxdisagg_transfer_failures", "requests failed while their KV was moving",
             registry=r)
@@ -70,8 +73,10 @@ class PrometheusExporter:
         self.cached.inc(result.cached_tokens)
         self.transfer.inc(result.transfer_bytes)
         t = result.timeline
-        if result.finish_reason.startswith("error") and "transfer_start" in t \
-                and "transfer_end" not in t:
+        if "transfer_start" in t and "transfer_end" in t:
+            self.transfer_time.observe(max(0.0, t["transfer_end"] - t["transfer_start"]))
+        if "transfer_failed" in t or (result.finish_reason.startswith("error")
+                                      and "transfer_start" in t and "transfer_end" not in t):
             self.transfer_failures.inc()
 
     def serve(self, host: str, port: int) -> int:

@@ -22,6 +22,7 @@ fails the request, or prefills it again on the decode instance when
 from __future__ import annotations
 
 import dataclasses
+import os
 import queue
 import threading
 import time
@@ -71,6 +72,10 @@ class PrefillService:
     """The prefill process: one instance of the deployment's prefill pool."""
 
     def __init__(self, dep: Deployment, host: str = "127.0.0.1", port: int = 0):
+        # Fault injection for tests (a failpoint): "die_after_offer" answers the first
+        # prefill call with offers that are never served, then kills this process, as
+        # if it died while the decode side pulls.
+        self._failpoint = os.environ.get("JAXDISAGG_FAILPOINT", "")
         cfg = dep.config
         inst = dep.pools["prefill"][0]
         self.config = cfg
@@ -115,6 +120,9 @@ class PrefillService:
                 h = self.outbox.handoffs.get(timeout=0.1)
             except queue.Empty:
                 continue
+            if self._failpoint == "die_after_offer":
+                self.sender.drop_offers()
+                threading.Timer(0.5, os._exit, (3,)).start()
             self._resolve(h.job.request_id, {
                 "offers": [t.to_json() for t in h.tickets], "first_token": h.first_token,
                 "first_logprob": h.first_logprob, "num_blocks": h.num_blocks,
