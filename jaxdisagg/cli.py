@@ -253,6 +253,46 @@ def _remote_generate(args) -> int:
     return 0
 
 
+def cmd_roofline(args) -> int:
+    from jaxdisagg import roofline as rl
+    from jaxdisagg.model.config import get_preset
+
+    if args.hardware not in rl.HARDWARE:
+        raise ValueError(f"--hardware: one of {', '.join(rl.HARDWARE)}, got {args.hardware!r}")
+    cfg = _model_config(args.model)
+    m = rl.Model.from_config(cfg, args.dtype_bytes)
+    hw = rl.HARDWARE[args.hardware]
+    measured = []
+    if args.calibrate:
+        hw = rl.measure_ceilings()
+        measured = rl.measure_steps(args.calibrate_preset)
+        m = rl.Model.from_config(get_preset(args.calibrate_preset), 4)
+    print(rl.report(m, hw))
+    if measured:
+        print("\n" + rl.calibration_report(hw, measured))
+    if args.plot:
+        print(f"\nwrote {rl.plot(m, hw, args.plot, measured)}")
+    return 0
+
+
+def _model_config(spec: str):
+    """A preset name, or an HF config.json (or the directory holding one)."""
+    from jaxdisagg.model.config import PRESETS, get_preset
+
+    if spec in PRESETS:
+        return get_preset(spec)
+    from jaxdisagg.model.weights import config_from_hf
+
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise ValueError(f"--model: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor "
+                         "an HF config.json")
+    import json
+
+    return config_from_hf(json.loads(path.read_text()))
+
+
 def cmd_demo(args) -> int:
     from jaxdisagg.serve.demo import run_demo
 
@@ -318,6 +358,17 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--port", type=int, default=50051)
     la.add_argument("--metrics-port", type=int, default=None)
     la.set_defaults(fn=cmd_launch)
+
+    r = sub.add_parser("roofline", help="the article's cost model: intensity, ridge, regimes, "
+                                        "crossover, KV transfer times; optional plot")
+    r.add_argument("--model", default="llama2-7b", help="preset or HF config.json")
+    r.add_argument("--hardware", default="h100-sxm")
+    r.add_argument("--dtype-bytes", type=int, default=2)
+    r.add_argument("--plot", metavar="PNG")
+    r.add_argument("--calibrate", action="store_true",
+                   help="measure this machine and this project's step times, and compare")
+    r.add_argument("--calibrate-preset", default="small")
+    r.set_defaults(fn=cmd_roofline)
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
                                     "then through the colocated one, and compare")

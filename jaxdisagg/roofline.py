@@ -1,0 +1,267 @@
+"""The founding article's cost model as code (DESIGN.md section 1).
+
+One iteration of a model with P parameters of b bytes, T tokens in the iteration,
+B requests each holding L tokens of context, and K_tok KV bytes per token summed
+over the layers (2 * layers * kv_heads * head_dim * b):
+
+    bytes = P*b + K_tok*L*B        FLOPs = 2*P*T        I = FLOPs / bytes
+
+Decode has T = B; a prefill chunk of C tokens over a cached prefix of S has T = C
+and reads K_tok*S of KV. The ridge point R = peak FLOP/s / bandwidth splits
+compute-bound (I > R) from bandwidth-bound, and a roofline step-time estimate is
+max(FLOPs / peak, bytes / bandwidth). The KV term equals the weight term at
+L*B = P*b / K_tok: past it a bigger decode batch no longer raises I.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jaxdisagg.model.config import LlamaConfig
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # sustained dense matmul FLOP/s at the model dtype (not the datasheet peak)
+    bandwidth: float  # memory bytes/s
+    memory: float  # device memory, bytes
+
+    @property
+    def ridge(self) -> float:
+        return self.flops / self.bandwidth
+
+
+# Sustained rates, as the article uses them (H100: ~500 of the 989 dense TFLOP/s a
+# datasheet lists). The CPU entry is this project's 2-core development machine as
+# measured by benchmarks/model_cpu.py (fp32); `--calibrate` measures the machine at hand.
+HARDWARE = {
+    "h100-sxm": Hardware("H100 SXM", 500e12, 3.35e12, 80e9),
+    "h200": Hardware("H200", 500e12, 4.8e12, 141e9),
+    "a100-sxm": Hardware("A100 SXM 80GB", 250e12, 2.0e12, 80e9),
+    "cpu-2core": Hardware("2-core CPU (fp32, measured)", 153e9, 26.4e9, 24e9),
+}
+
+# Bytes/s one way between a prefill and a decode device.
+FABRICS = {
+    "nvlink": 450e9,  # NVLink 4, per direction (H100/H200)
+    "pcie5": 50e9,  # PCIe Gen5 x16, effective
+    "infiniband": 50e9,  # NDR 400 Gb/s
+    "loopback": 0.24e9,  # jax.experimental.transfer between two CPU processes (measured)
+}
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    params: int
+    bytes_per_param: int
+    kv_bytes_per_token: int  # K_tok, all layers, K and V
+
+    @classmethod
+    def from_config(cls, cfg: LlamaConfig, dtype_bytes: int = 2) -> Model:
+        return cls(cfg.name, cfg.num_params(), dtype_bytes,
+                   2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.params * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Point:
+    """One iteration's cost on one device (or one pool treated as one)."""
+
+    label: str
+    tokens: int
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        return self.flops / self.bytes
+
+    def regime(self, hw: Hardware) -> str:
+        return "compute" if self.intensity > hw.ridge else "bandwidth"
+
+    def time(self, hw: Hardware) -> float:
+        return max(self.flops / hw.flops, self.bytes / hw.bandwidth)
+
+
+def decode_point(m: Model, batch: int, context: int) -> Point:
+    return Point(f"decode B={batch} L={context}", batch, 2 * m.params * batch,
+                 m.weight_bytes + m.kv_bytes_per_token * context * batch)
+
+
+def prefill_point(m: Model, chunk: int, prefix: int) -> Point:
+    return Point(f"prefill C={chunk} S={prefix}", chunk, 2 * m.params * chunk,
+                 m.weight_bytes + m.kv_bytes_per_token * prefix)
+
+
+def crossover_tokens(m: Model) -> float:
+    """L*B at which the batch's KV bytes equal the weight bytes."""
+    return m.weight_bytes / m.kv_bytes_per_token
+
+
+def transfer_seconds(m: Model, prompt_tokens: int, fabric_bytes_per_s: float) -> float:
+    return prompt_tokens * m.kv_bytes_per_token / fabric_bytes_per_s
+
+
+# ---------------------------------------------------------------------- tables
+
+
+def _si(x: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def report(m: Model, hw: Hardware, batches=(1, 8, 32, 128), contexts=(512, 2048, 8192, 32768),
+           chunks=(512, 2048), prefixes=(0, 8192, 32768), prompt=4096) -> str:
+    lines = [f"{m.name}: {m.params / 1e9:.3g}B parameters, {_si(m.weight_bytes, 'B')} of weights "
+             f"({m.bytes_per_param} B/param), K_tok = {_si(m.kv_bytes_per_token, 'B')}/token",
+             f"{hw.name}: {_si(hw.flops, 'FLOP/s')}, {_si(hw.bandwidth, 'B/s')}, ridge "
+             f"R = {hw.ridge:.0f} FLOP/B, {_si(hw.memory, 'B')} memory", "",
+             "decode, one iteration (I = 2PB / (Pb + K_tok L B)):",
+             f"  {'B':>5} {'L':>7} {'I':>8} {'regime':>10} {'step':>10} {'KV of batch':>12} "
+             f"{'fits?':>6}"]
+    free = hw.memory - m.weight_bytes
+    for b in batches:
+        for length in contexts:
+            p = decode_point(m, b, length)
+            kv = m.kv_bytes_per_token * length * b
+            lines.append(f"  {b:>5} {length:>7} {p.intensity:>8.1f} {p.regime(hw):>10} "
+                         f"{p.time(hw) * 1e3:>8.2f}ms {_si(kv, 'B'):>12} "
+                         f"{'yes' if kv <= free else 'NO':>6}")
+    cross = crossover_tokens(m)
+    lines += ["", f"crossover: KV bytes = weight bytes at L*B = {cross:.0f} "
+              + ", ".join(f"(L = {cross / b:.0f} at B = {b})" for b in batches), "",
+              "prefill of a chunk C over a cached prefix S (I = 2PC / (Pb + K_tok S)):",
+              f"  {'C':>5} {'S':>7} {'I':>8} {'regime':>10} {'step':>10}"]
+    for c in chunks:
+        for s in prefixes:
+            p = prefill_point(m, c, s)
+            lines.append(f"  {c:>5} {s:>7} {p.intensity:>8.1f} {p.regime(hw):>10} "
+                         f"{p.time(hw) * 1e3:>8.2f}ms")
+    kv = prompt * m.kv_bytes_per_token
+    lines += ["", f"KV of one {prompt}-token prompt: {_si(kv, 'B')}; transfer time by fabric:"]
+    for name, bw in FABRICS.items():
+        ms = transfer_seconds(m, prompt, bw) * 1e3
+        lines.append(f"  {name:>11}: {_si(bw, 'B/s'):>10}  {ms:9.2f} ms")
+    return "\n".join(lines)
+
+
+def plot(m: Model, hw: Hardware, path: str, measured: list[tuple[Point, float]] = ()) -> str:
+    """A log-log roofline with decode and prefill points; `measured` adds (point, seconds)
+    as achieved FLOP/s at the point's intensity."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [10 ** (k / 20) for k in range(-20, 100)]
+    ax.plot(xs, [min(hw.flops, x * hw.bandwidth) for x in xs], "k-", label=f"{hw.name} roof")
+    ax.axvline(hw.ridge, color="grey", ls=":", label=f"ridge {hw.ridge:.0f}")
+    for b, marker in ((1, "o"), (32, "s"), (128, "^")):
+        pts = [decode_point(m, b, length) for length in (512, 4096, 32768)]
+        ax.plot([p.intensity for p in pts], [p.flops / p.time(hw) for p in pts], marker,
+                ls="--", label=f"decode B={b} (L 512, 4k, 32k)")
+    pts = [prefill_point(m, 2048, s) for s in (0, 8192, 32768)]
+    ax.plot([p.intensity for p in pts], [p.flops / p.time(hw) for p in pts], "D", ls="--",
+            label="prefill C=2048 (S 0, 8k, 32k)")
+    for p, seconds in measured:
+        ax.plot([p.intensity], [p.flops / seconds], "r*", ms=12)
+        ax.annotate(f"measured {p.label}", (p.intensity, p.flops / seconds), fontsize=7)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(f"{m.name} on {hw.name}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------- calibration
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def measure_ceilings() -> Hardware:
+    """This machine's fp32 matmul rate and weight-streaming bandwidth, as one Hardware."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((512, 2048), np.float32))
+    b = jnp.asarray(rng.standard_normal((2048, 2048), np.float32))
+    w = jnp.asarray(rng.standard_normal((8192, 8192), np.float32))  # 256 MiB: past the caches
+    x = jnp.asarray(rng.standard_normal((8192,), np.float32))
+    dot = jax.jit(jnp.dot)
+    flops = 2 * 512 * 2048 * 2048 / _median_seconds(lambda: dot(a, b).block_until_ready())
+    bw = w.nbytes / _median_seconds(lambda: dot(w, x).block_until_ready())
+    return Hardware("this machine (fp32, measured)", flops, bw, 0.0)
+
+
+def measure_steps(preset: str, chunk: int = 512, batch: int = 8, context: int = 512
+                  ) -> list[tuple[Point, float]]:
+    """This project's own prefill and decode step times on `preset` in fp32."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from jaxdisagg.model.paged import KVLayout, jit_serving_fns
+    from jaxdisagg.model.weights import load_model
+
+    model, _ = load_model(preset, "float32")
+    m = Model.from_config(model.config, 4)
+    bs = 16
+    pages = -(-(context + chunk) // bs)
+    layout = KVLayout.for_model(model.config, batch * pages + 1, bs)
+    graphdef, state = nnx.split(model)
+    fns = jit_serving_fns(graphdef)
+    kv = [layout.allocate()]
+    table = np.arange(pages, dtype=np.int32)
+    tokens = np.ones(chunk, np.int32)
+
+    def prefill():
+        logits, kv[0] = fns.prefill(state, kv[0], tokens, np.int32(0), np.int32(chunk), table)
+        jax.block_until_ready(logits)
+
+    tables = np.arange(batch * pages, dtype=np.int32).reshape(batch, pages)
+    pos = np.full(batch, context, np.int32)
+
+    def decode():
+        logits, kv[0] = fns.decode(state, kv[0], np.ones(batch, np.int32), pos, tables,
+                                   pos + 1)
+        jax.block_until_ready(logits)
+
+    return [(prefill_point(m, chunk, 0), _median_seconds(prefill)),
+            (decode_point(m, batch, context), _median_seconds(decode))]
+
+
+def calibration_report(hw: Hardware, measured: list[tuple[Point, float]]) -> str:
+    lines = [f"measured ceilings: {_si(hw.flops, 'FLOP/s')} matmul, "
+             f"{_si(hw.bandwidth, 'B/s')} streaming (ridge {hw.ridge:.1f} FLOP/B)",
+             f"  {'step':<24} {'predicted':>10} {'measured':>10} {'error':>7} {'regime':>10}"]
+    for p, seconds in measured:
+        pred = p.time(hw)
+        lines.append(f"  {p.label:<24} {pred * 1e3:>8.2f}ms {seconds * 1e3:>8.2f}ms "
+                     f"{(pred - seconds) / seconds:>+7.0%} {p.regime(hw):>10}")
+    return "\n".join(lines)
