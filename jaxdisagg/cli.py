@@ -253,6 +253,72 @@ def _remote_generate(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    import contextlib
+    import dataclasses
+    import json
+
+    from jaxdisagg import bench
+
+    workload = bench.Workload(
+        requests=args.requests, rate=args.rate, burstiness=args.burstiness,
+        prompt=bench.Lengths.parse(args.prompt_len, "--prompt-len"),
+        output=bench.Lengths.parse(args.output_len, "--output-len"),
+        shared_prefix=args.shared_prefix, seed=args.seed, warmup=args.warmup)
+    if args.requests <= 0 or (args.rate is not None and args.rate <= 0) \
+            or args.burstiness <= 0:
+        raise ValueError("--requests, --rate and --burstiness must be positive")
+    slo = bench.SLO.parse(args.slo)
+    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
+    configs = {"colocated": args.colocated_config, "disaggregated": args.disaggregated_config}
+    if args.server:
+        targets = {"server": args.server}
+    elif args.compare:
+        names = args.compare.split(",")
+        unknown = [n for n in names if n not in configs]
+        if unknown:
+            raise ValueError(f"--compare: unknown {unknown}; use colocated,disaggregated")
+        targets = {n: configs[n] for n in names}
+    else:
+        targets = {"engine": args.config}
+
+    results, curves, raw = {}, {}, {}
+    for label, where in targets.items():
+        with contextlib.ExitStack() as stack:
+            if args.server:
+                target = bench.ServerTarget(where)
+            else:
+                from jaxdisagg.serve.engine import Engine
+
+                engine = stack.enter_context(Engine.from_config(where, progress=True))
+                target = bench.EngineTarget(engine)
+            for rate in rates:
+                records = bench.run(target, dataclasses.replace(workload, rate=rate))
+                summary = bench.summarize(records, slo)
+                key = label if len(rates) == 1 else f"{label}@{rate:g}"
+                results[key] = summary
+                raw[key] = [dataclasses.asdict(r) for r in records]
+                curves.setdefault(label, []).append((rate or 0.0, summary["slo_attainment"]))
+                print(f"{key}: {summary['throughput_tok_s']:.1f} tok/s, attainment "
+                      f"{summary['slo_attainment']:.0%}", file=sys.stderr)
+    print(bench.table(results))
+    if args.sweep:
+        for label, sweep in curves.items():
+            rate = bench.goodput_rate(sweep)
+            print(f"{label}: goodput rate (90% attainment) = "
+                  f"{'below the lowest rate tried' if rate is None else f'{rate:.2f} req/s'}")
+        if args.plot:
+            print(f"wrote {bench.plot_sweep(curves, args.plot, slo)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"workload": dataclasses.asdict(workload), "slo": dataclasses.asdict(slo),
+             "results": results, "curves": curves,
+             "goodput_rate": {k: bench.goodput_rate(v) for k, v in curves.items()},
+             "requests": raw}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
 def cmd_roofline(args) -> int:
     from jaxdisagg import roofline as rl
     from jaxdisagg.model.config import get_preset
@@ -358,6 +424,28 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--port", type=int, default=50051)
     la.add_argument("--metrics-port", type=int, default=None)
     la.set_defaults(fn=cmd_launch)
+
+    b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, "
+                                     "goodput under an SLO; compare engines")
+    b.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    b.add_argument("--server", metavar="HOST:PORT", help="drive a running server instead")
+    b.add_argument("--compare", metavar="colocated,disaggregated")
+    b.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"))
+    b.add_argument("--disaggregated-config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    b.add_argument("--requests", type=int, default=32)
+    b.add_argument("--rate", type=float, default=None, help="requests/s (default: all at once)")
+    b.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
+    b.add_argument("--prompt-len", default="fixed:256", help="fixed:N | uniform:A:B | "
+                                                             "lognormal:MEAN:SIGMA")
+    b.add_argument("--output-len", default="fixed:32")
+    b.add_argument("--shared-prefix", type=int, default=0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--warmup", type=int, default=2)
+    b.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100")
+    b.add_argument("--sweep", metavar="R1,R2,...", help="request rates for attainment curves")
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("--plot", metavar="PNG", help="attainment curves (with --sweep)")
+    b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("roofline", help="the article's cost model: intensity, ridge, regimes, "
                                         "crossover, KV transfer times; optional plot")
