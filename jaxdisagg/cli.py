@@ -331,11 +331,12 @@ def cmd_roofline(args) -> int:
     measured = []
     if args.calibrate:
         hw = rl.measure_ceilings()
-        measured = rl.measure_steps(args.calibrate_preset)
+        small_m = rl.measure_matmul_rate(8)
+        measured = rl.measure_steps(args.calibrate_preset, batch=8)
         m = rl.Model.from_config(get_preset(args.calibrate_preset), 4)
     print(rl.report(m, hw))
     if measured:
-        print("\n" + rl.calibration_report(hw, measured))
+        print("\n" + rl.calibration_report(m, hw, measured, small_m))
     if args.plot:
         print(f"\nwrote {rl.plot(m, hw, args.plot, measured)}")
     return 0

@@ -15,6 +15,7 @@ L*B = P*b / K_tok: past it a bigger decode batch no longer raises I.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from jaxdisagg.model.config import LlamaConfig
@@ -57,11 +58,22 @@ class Model:
     params: int
     bytes_per_param: int
     kv_bytes_per_token: int  # K_tok, all layers, K and V
+    head_params: int = 0  # the LM head (vocab x hidden)
+    embed_params: int = 0  # an untied input embedding (gathered, never multiplied)
+    attn_flops_per_pair: int = 0  # QK^T and PV: 4 * layers * heads * head_dim per (q, k)
 
     @classmethod
     def from_config(cls, cfg: LlamaConfig, dtype_bytes: int = 2) -> Model:
+        head = cfg.vocab_size * cfg.hidden_size
         return cls(cfg.name, cfg.num_params(), dtype_bytes,
-                   2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes)
+                   2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * dtype_bytes,
+                   head, 0 if cfg.tie_word_embeddings else head,
+                   4 * cfg.num_layers * cfg.num_heads * cfg.head_dim)
+
+    @property
+    def dense_params(self) -> int:
+        """What every token multiplies through: all but the head and the embedding."""
+        return self.params - self.head_params - self.embed_params
 
     @property
     def weight_bytes(self) -> float:
@@ -96,6 +108,19 @@ def decode_point(m: Model, batch: int, context: int) -> Point:
 def prefill_point(m: Model, chunk: int, prefix: int) -> Point:
     return Point(f"prefill C={chunk} S={prefix}", chunk, 2 * m.params * chunk,
                  m.weight_bytes + m.kv_bytes_per_token * prefix)
+
+
+def served_point(m: Model, kind: str, tokens: int, kv_tokens: int, logits_rows: int,
+                 pairs: float = 0.0) -> Point:
+    """The cost as this project's programs incur it, refining the article's 2*P*T: the
+    embedding is a gather (no FLOPs, and only the rows used are read), the LM head runs
+    only for rows that need logits (every decode slot, a prefill chunk's last token),
+    and attention adds its (query, key) pairs."""
+    b = m.bytes_per_param
+    flops = (2 * m.dense_params * tokens + 2 * m.head_params * logits_rows
+             + m.attn_flops_per_pair * pairs)
+    bytes_ = (m.dense_params + m.head_params) * b + m.kv_bytes_per_token * kv_tokens
+    return Point(kind, tokens, flops, bytes_)
 
 
 def crossover_tokens(m: Model) -> float:
@@ -219,6 +244,19 @@ def measure_ceilings() -> Hardware:
     return Hardware("this machine (fp32, measured)", flops, bw, 0.0)
 
 
+def measure_matmul_rate(rows: int) -> float:
+    """fp32 FLOP/s of a [rows, 2048] x [2048, 2048] product: a decode batch's shape."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((rows, 2048), np.float32))
+    b = jnp.asarray(rng.standard_normal((2048, 2048), np.float32))
+    dot = jax.jit(jnp.dot)
+    return 2 * rows * 2048 * 2048 / _median_seconds(lambda: dot(a, b).block_until_ready())
+
+
 def measure_steps(preset: str, chunk: int = 512, batch: int = 8, context: int = 512
                   ) -> list[tuple[Point, float]]:
     """This project's own prefill and decode step times on `preset` in fp32."""
@@ -256,12 +294,33 @@ def measure_steps(preset: str, chunk: int = 512, batch: int = 8, context: int = 
             (decode_point(m, batch, context), _median_seconds(decode))]
 
 
-def calibration_report(hw: Hardware, measured: list[tuple[Point, float]]) -> str:
+def refined(m: Model, p: Point) -> Point:
+    """The `served_point` of an article point made by prefill_point / decode_point."""
+    kind, rest = p.label.split(" ", 1)
+    a, b = (int(x.split("=")[1]) for x in rest.split())
+    if kind == "prefill":  # C=a over S=b: KV of the prefix and the chunk, logits once
+        return served_point(m, p.label, a, b + a, 1, a * (b + (a + 1) / 2))
+    return served_point(m, p.label, a, a * b, a, a * b)  # decode B=a at L=b
+
+
+def calibration_report(m: Model, hw: Hardware, measured: list[tuple[Point, float]],
+                       small_m_flops: float | None = None) -> str:
+    """Predicted against measured step times, three ways: the article's 2*P*T on the
+    peak matmul rate; the refined cost (`served_point`); and the refined cost with the
+    matmul rate measured at the decode batch's own shape (a CPU's small-M products run
+    far below its peak)."""
     lines = [f"measured ceilings: {_si(hw.flops, 'FLOP/s')} matmul, "
-             f"{_si(hw.bandwidth, 'B/s')} streaming (ridge {hw.ridge:.1f} FLOP/B)",
-             f"  {'step':<24} {'predicted':>10} {'measured':>10} {'error':>7} {'regime':>10}"]
+             f"{_si(hw.bandwidth, 'B/s')} streaming (ridge {hw.ridge:.1f} FLOP/B)"
+             + (f", {_si(small_m_flops, 'FLOP/s')} at the decode batch's M"
+                if small_m_flops else ""),
+             f"  {'step':<20} {'measured':>9} {'article':>16} {'refined':>16} "
+             f"{'refined, M-rate':>16}"]
     for p, seconds in measured:
-        pred = p.time(hw)
-        lines.append(f"  {p.label:<24} {pred * 1e3:>8.2f}ms {seconds * 1e3:>8.2f}ms "
-                     f"{(pred - seconds) / seconds:>+7.0%} {p.regime(hw):>10}")
+        r = refined(m, p)
+        small = dataclasses.replace(hw, flops=small_m_flops) if (
+            small_m_flops and p.label.startswith("decode")) else hw
+        cells = [f"{t * 1e3:7.1f}ms {(t - seconds) / seconds:+6.0%}"
+                 for t in (p.time(hw), r.time(hw), r.time(small))]
+        lines.append(f"  {p.label:<20} {seconds * 1e3:7.1f}ms " + " ".join(
+            f"{c:>16}" for c in cells))
     return "\n".join(lines)

@@ -108,6 +108,24 @@ def test_cli_reads_an_hf_config_and_rejects_bad_names(tmp_path):
 def test_calibrate_measures_and_compares(tmp_path):
     out = run("--calibrate", "--calibrate-preset", "tiny", "--plot", tmp_path / "cal.png")
     assert out.returncode == 0, out.stderr
-    assert "measured ceilings" in out.stdout and "predicted" in out.stdout
+    assert "measured ceilings" in out.stdout and "refined, M-rate" in out.stdout
     assert "prefill C=512 S=0" in out.stdout and "decode B=8 L=512" in out.stdout
     assert (tmp_path / "cal.png").exists()
+
+
+def test_served_cost_refines_the_article():
+    """Embedding gathered, head only where logits are needed, attention pairs counted."""
+    cfg = get_preset("small")  # untied, vocab 32000, hidden 512, 8 layers, 8 heads of 64
+    m = rl.Model.from_config(cfg, 4)
+    head = 32000 * 512
+    assert (m.head_params, m.embed_params) == (head, head)
+    assert m.dense_params == cfg.num_params() - 2 * head
+    assert m.attn_flops_per_pair == 4 * 8 * 8 * 64
+    p = rl.refined(m, rl.prefill_point(m, 512, 0))
+    assert p.flops == 2 * m.dense_params * 512 + 2 * head + 4 * 8 * 8 * 64 * 512 * 513 / 2
+    assert p.bytes == 4 * (m.dense_params + head) + m.kv_bytes_per_token * 512
+    d = rl.refined(m, rl.decode_point(m, 8, 512))
+    assert d.flops == 2 * m.dense_params * 8 + 2 * head * 8 + 4 * 8 * 8 * 64 * 8 * 512
+    assert d.bytes == 4 * (m.dense_params + head) + m.kv_bytes_per_token * 8 * 512
+    tied = rl.Model.from_config(get_preset("llama3.2-1b"))
+    assert tied.embed_params == 0 and tied.head_params == 128256 * 2048
