@@ -32,10 +32,10 @@ from jaxdisagg.model.config import get_preset  # noqa: E402
 OUT = ROOT / "benchmarks" / "disagg_vs_colocated.md"
 RESULTS = ROOT / "benchmarks" / "results"
 COMMAND = "python benchmarks/disagg_vs_colocated.py"
-RATES = (1.0, 2.0, 4.0, 6.0)
-WORKLOAD = bench.Workload(requests=40, prompt=bench.Lengths("uniform", 400, 900),
+RATES = (2.0, 4.0, 8.0, 16.0)
+WORKLOAD = bench.Workload(requests=60, prompt=bench.Lengths("uniform", 400, 900),
                           output=bench.Lengths("fixed", 64), seed=0, warmup=2)
-SLO = bench.SLO(ttft_ms=2000, tpot_ms=60)
+SLO = bench.SLO(ttft_ms=500, tpot_ms=15)
 COLOCATED = """mode: colocated
 model: {name: tiny, dtype: float32}
 colocated: {devices: [0], tp: 1, chunk_size: 64, max_slots: 8, num_blocks: 512, block_size: 16}
