@@ -1,2 +1,3 @@
-"""Serving: block accounting and prefix cache, prefill and decode schedulers, the
-disaggregated core loop, and the `Engine` Python API."""
+"""Serving: block accounting and prefix cache, prefill and decode schedulers, pool
+workers, the engines and their Python/asyncio API, the gRPC server, router and
+cross-process pools, Prometheus metrics, and `jaxdisagg demo`."""
