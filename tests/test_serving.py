@@ -27,8 +27,9 @@ ON_CPU = {"cpu-1p1d.yaml", "cpu-hetero.yaml", "cpu-colocated.yaml"}
 # The GPU configs' layouts (devices, tp, instances, mode, transfer) with the tiny model
 # and CPU-sized pools: the same routing, sharding and transfer code paths.
 GPU_LAYOUTS = {"gpu-8-4p4d.yaml", "gpu-1-colocated.yaml"}
-# One pool per process: tests/test_xproc.py::test_two_process_config serves it across
-# two real processes and checks the decoded tokens against the reference generator.
+# One pool per process: tests/test_multiprocess.py serves it through `jaxdisagg launch`
+# (and test_xproc.py::test_two_process_config through its roles) and checks the greedy
+# tokens against the reference generator.
 CROSS_PROCESS = {"cpu-2proc.yaml"}
 
 
