@@ -1,23 +1,9 @@
 """What every benchmark script shares: timing and writing the JSON result."""
 
 import json
-import statistics
-import time
 from pathlib import Path
 
-
-def median_seconds(fn, repeats: int) -> float:
-    """Median wall time of fn() over `repeats` calls, after one warm-up call.
-
-    fn must block until its work is done (block_until_ready on what it returns).
-    """
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+from jaxdisagg.roofline import median_seconds  # noqa: F401 - the scripts import it from here
 
 
 def write_result(path: str, result: dict) -> Path:

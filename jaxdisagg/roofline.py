@@ -214,7 +214,9 @@ def plot(m: Model, hw: Hardware, path: str, measured: list[tuple[Point, float]] 
 # ---------------------------------------------------------------------- calibration
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def median_seconds(fn, repeats: int = 5) -> float:
+    """Median wall time of fn() over `repeats` calls, after one warm-up call; fn must
+    block until its work is done. (The benchmark scripts time with it too.)"""
     import statistics
     import time
 
@@ -239,8 +241,8 @@ def measure_ceilings() -> Hardware:
     w = jnp.asarray(rng.standard_normal((8192, 8192), np.float32))  # 256 MiB: past the caches
     x = jnp.asarray(rng.standard_normal((8192,), np.float32))
     dot = jax.jit(jnp.dot)
-    flops = 2 * 512 * 2048 * 2048 / _median_seconds(lambda: dot(a, b).block_until_ready())
-    bw = w.nbytes / _median_seconds(lambda: dot(w, x).block_until_ready())
+    flops = 2 * 512 * 2048 * 2048 / median_seconds(lambda: dot(a, b).block_until_ready())
+    bw = w.nbytes / median_seconds(lambda: dot(w, x).block_until_ready())
     return Hardware("this machine (fp32, measured)", flops, bw, 0.0)
 
 
@@ -254,7 +256,7 @@ def measure_matmul_rate(rows: int) -> float:
     a = jnp.asarray(rng.standard_normal((rows, 2048), np.float32))
     b = jnp.asarray(rng.standard_normal((2048, 2048), np.float32))
     dot = jax.jit(jnp.dot)
-    return 2 * rows * 2048 * 2048 / _median_seconds(lambda: dot(a, b).block_until_ready())
+    return 2 * rows * 2048 * 2048 / median_seconds(lambda: dot(a, b).block_until_ready())
 
 
 def measure_steps(preset: str, chunk: int = 512, batch: int = 8, context: int = 512
@@ -290,8 +292,8 @@ def measure_steps(preset: str, chunk: int = 512, batch: int = 8, context: int = 
                                    pos + 1)
         jax.block_until_ready(logits)
 
-    return [(prefill_point(m, chunk, 0), _median_seconds(prefill)),
-            (decode_point(m, batch, context), _median_seconds(decode))]
+    return [(prefill_point(m, chunk, 0), median_seconds(prefill)),
+            (decode_point(m, batch, context), median_seconds(decode))]
 
 
 def refined(m: Model, p: Point) -> Point:
