@@ -103,7 +103,7 @@ class ReferenceGenerator:
                              f"max_position_embeddings ({self.config.max_position_embeddings})")
         caches = self._new_caches(b, total)
         temperature = jnp.array([p.temperature for p in params], jnp.float32)
-        top_k = jnp.array([p.top_k for p in params], jnp.int32)
+        top_k = jnp.array([min(p.top_k, self.config.vocab_size) for p in params], jnp.int32)
         top_p = jnp.array([p.top_p for p in params], jnp.float32)
         seeds = [p.seed for p in params]
 

@@ -3,10 +3,17 @@
 temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. Each
 row draws from its own key, so a request's tokens depend only on its seed and
 its step, never on which other requests share the batch.
+
+`SamplingParams` accepts exactly what the sampler can hold: a seed is any int in
+[0, 2^64) (its two 32-bit halves both enter the key), a top_k of any size (the
+sampler clamps it to the vocabulary), finite floats. Every front end builds one, so
+a value that passes here never fails inside a serving step.
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import jax
@@ -27,20 +34,39 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, list):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        for name in ("temperature", "top_p", "top_k", "seed", "max_tokens"):
+            v = getattr(self, name)  # numpy scalars become Python numbers; bools stay bools
+            if isinstance(v, numbers.Real) and not isinstance(v, bool):
+                integral = name in ("top_k", "seed", "max_tokens")
+                if not integral:
+                    object.__setattr__(self, name, float(v))
+                elif isinstance(v, numbers.Integral):
+                    object.__setattr__(self, name, int(v))
         checks = [
-            ("temperature", self.temperature >= 0, "must be >= 0 (0 is greedy)"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0,
-             "must be an int >= 0 (0 is off)"),
-            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens > 0,
+            ("temperature", _is_real(self.temperature) and self.temperature >= 0,
+             "must be a finite number >= 0 (0 is greedy)"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "must be an int >= 0 (0 is off)"),
+            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("max_tokens", _is_int(self.max_tokens) and self.max_tokens > 0,
              "must be a positive int"),
-            ("seed", isinstance(self.seed, int), "must be an int"),
-            ("stop", all(isinstance(x, str) and x for x in self.stop),
-             "must be non-empty strings"),
+            ("seed", _is_int(self.seed) and 0 <= self.seed < 2**64, "must be an int in [0, 2^64)"),
+            ("logprobs", isinstance(self.logprobs, bool), "must be a bool"),
+            ("stop", isinstance(self.stop, tuple)
+             and all(isinstance(x, str) and x for x in self.stop), "must be non-empty strings"),
         ]
         for field, ok, why in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}")
+                raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}"[:300])
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_real(v) -> bool:
+    return isinstance(v, float) and math.isfinite(v)
 
 
 def _sample_row(logits, key, temperature, top_k, top_p):
@@ -88,32 +114,44 @@ def sample_rows(logits, params: list[SamplingParams | None], steps: list[int]):
     """Samples B rows of logits [B, V] with per-row params (None: an empty row).
 
     Returns numpy (tokens [B], logprobs [B]). Token `steps[i]` of row i's request
-    draws with fold_in(key(seed), steps[i]), the convention every engine shares.
+    draws with the key `row_keys` gives (seed, step): the convention every engine shares.
     """
-    b = len(params)
+    b, vocab = len(params), logits.shape[-1]
     temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-    top_k, seeds = np.zeros(b, np.int32), np.zeros(b, np.int32)
+    top_k, seeds = np.zeros(b, np.int32), [0] * b
     for i, p in enumerate(params):
-        if p is not None:
-            temperature[i], top_k[i], top_p[i], seeds[i] = (p.temperature, p.top_k, p.top_p,
-                                                            p.seed)
+        if p is not None:  # a top_k past the vocabulary keeps everything, as 0 does
+            temperature[i], top_k[i], top_p[i] = p.temperature, min(p.top_k, vocab), p.top_p
+            seeds[i] = p.seed
     tokens, logprobs = sample_logprobs(logits, row_keys(seeds, np.asarray(steps, np.int32)),
                                        temperature, top_k, top_p)
     return np.asarray(tokens), np.asarray(logprobs)
 
 
 @jax.jit
-def _row_keys(seeds, steps):
-    return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, steps)
+def _row_keys(lo, hi, steps):
+    def one(lo, hi, i):
+        key = jax.random.key(lo)
+        # The high half joins the key only when set, so 32-bit seeds keep their streams.
+        wide = jax.random.fold_in(key, hi)
+        key = jax.random.wrap_key_data(jnp.where(hi > 0, jax.random.key_data(wide),
+                                                 jax.random.key_data(key)))
+        return jax.random.fold_in(key, i)
+
+    return jax.vmap(one)(lo, hi, steps)
 
 
 def row_keys(seeds, steps):
     """One key per row: fold the index of the token being drawn into the row's own seed.
 
-    `steps` is one int for every row, or one per row (rows of a continuous batch are
-    at different points of their requests). Token i of a request always uses
-    fold_in(key(seed), i), whichever engine or batch draws it.
+    `seeds` are ints in [0, 2^64) (split into 32-bit halves on the host: JAX runs
+    without 64-bit types). `steps` is one int for every row, or one per row (rows of
+    a continuous batch are at different points of their requests). Token i of a
+    request always uses the same key, whichever engine or batch draws it.
     """
-    seeds = jnp.asarray(seeds, jnp.uint32)
-    steps = jnp.broadcast_to(jnp.asarray(steps, jnp.uint32), seeds.shape)
-    return _row_keys(seeds, steps)
+    seeds = list(seeds) if isinstance(seeds, (list, tuple)) else np.ravel(seeds).tolist()
+    wide = np.asarray([int(s) for s in seeds], np.uint64)
+    lo = (wide & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    hi = (wide >> np.uint64(32)).astype(np.uint32)
+    steps = np.broadcast_to(np.asarray(steps, np.uint32), lo.shape)
+    return _row_keys(lo, hi, steps)

@@ -6,7 +6,13 @@ token through one decode program call, samples each slot's next token with its
 own parameters and seed, and retires sequences that hit a stop token or their
 max_tokens. A sequence that crosses into a new block gets one; when the pool has
 none left, the newest sequence is preempted (its blocks freed) and handed back to
-be recomputed later, so nothing crashes and no request is dropped.
+be recomputed later, so nothing crashes and no request is dropped. A sequence
+that could only make room by preempting itself, with nothing else to free, fails
+with a clear reason instead of being recomputed forever.
+
+A row whose own host work raises (building its inputs, taking its token) is
+retired with its blocks released and reported in `failed`; the other rows of the
+batch go on.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import numpy as np
 
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.model.sampling import SamplingParams, sample_rows
+from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 
 
@@ -52,6 +59,7 @@ class StepResult:
     tokens: list[tuple[str, int, float]]  # (request id, new token, logprob) per active slot
     finished: list[Sequence]
     preempted: list[Sequence]  # blocks freed; recompute prompt + tokens to resume
+    failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # blocks freed
 
 
 class DecodeScheduler:
@@ -101,7 +109,7 @@ class DecodeScheduler:
                 return self._retire(i)
         return None
 
-    def _ensure_blocks(self, preempted: list[Sequence]) -> None:
+    def _ensure_blocks(self, preempted: list[Sequence], failed: list) -> None:
         """Gives every active sequence a block for the position it writes this step."""
         bs = self.blocks.block_size
         for seq in sorted(self.active, key=lambda s: s.admitted_order):
@@ -110,32 +118,55 @@ class DecodeScheduler:
                     seq.blocks += self.blocks.allocate(1)
                 except OutOfBlocks:
                     victim = max(self.active, key=lambda s: s.admitted_order)
-                    preempted.append(self._retire(self.slots.index(victim)))
+                    retired = self._retire(self.slots.index(victim))
+                    if victim is seq and self.blocks.num_used == 0:
+                        # Alone in a pool it cannot fit: recomputing it would only
+                        # come back here. Fail it instead of looping forever.
+                        failed.append((retired, OutOfBlocks(
+                            f"the pool's {self.blocks.num_blocks} KV blocks cannot hold "
+                            f"{seq.last_position + 1} tokens")))
+                    else:
+                        preempted.append(retired)
 
     def step(self) -> StepResult:
         preempted: list[Sequence] = []
-        self._ensure_blocks(preempted)
-        active = [(i, s) for i, s in enumerate(self.slots) if s is not None]
-        if not active:
-            return StepResult([], [], preempted)
+        failed: list[tuple[Sequence, Exception]] = []
+        self._ensure_blocks(preempted, failed)
         b, p = len(self.slots), self.inst.max_pages
         tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
         tables = np.zeros((b, p), np.int32)
         params, steps = [None] * b, [0] * b
-        for i, seq in active:
+        active = []
+        for i, seq in enumerate(self.slots):
+            if seq is None:
+                continue
+            try:
+                failpoint("decode.row", seq.request_id)
+                tables[i, :len(seq.blocks)] = seq.blocks
+            except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
+                tables[i] = 0
+                failed.append((self._retire(i), e))
+                continue
             tokens[i], positions[i] = seq.tokens[-1], seq.last_position
             lens[i] = seq.last_position + 1
-            tables[i, :len(seq.blocks)] = seq.blocks
             params[i], steps[i] = seq.params, len(seq.tokens)
+            active.append((i, seq))
+        if not active:
+            return StepResult([], [], preempted, failed)
         logits = self.inst.decode(tokens, positions, tables, lens)
         new, logprobs = sample_rows(logits, params, steps)
         out, finished = [], []
         for i, seq in active:
-            token = int(new[i])
+            try:
+                failpoint("decode.token", seq.request_id)
+                token = int(new[i])
+            except Exception as e:  # noqa: BLE001
+                failed.append((self._retire(i), e))
+                continue
             seq.tokens.append(token)
             seq.logprobs.append(float(logprobs[i]))
             out.append((seq.request_id, token, float(logprobs[i])))
             seq.finish_reason = seq.finish_check()
             if seq.finish_reason:
                 finished.append(self._retire(i))
-        return StepResult(out, finished, preempted)
+        return StepResult(out, finished, preempted, failed)

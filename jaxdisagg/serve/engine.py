@@ -16,7 +16,7 @@ stops and joins every thread, then frees whatever was still in flight.
 
 from __future__ import annotations
 
-import itertools
+import logging
 import queue
 import statistics
 import threading
@@ -32,7 +32,19 @@ from jaxdisagg.model.sampling import SamplingParams
 from jaxdisagg.model.tokenizer import IncrementalDecoder
 from jaxdisagg.serve.kv_cache import BlockManager
 from jaxdisagg.serve.prefill import PrefillJob
+from jaxdisagg.serve.validation import (
+    RequestLimits,
+    check_params,
+    check_prompt_size,
+    check_request_id,
+    check_stop_token_ids,
+    check_token_ids,
+    check_tokens,
+    new_request_id,
+)
 from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
+
+log = logging.getLogger(__name__)
 
 # Lifecycle marks, in the order a disaggregated request passes them.
 STAGES = ("arrival", "prefill_start", "prefill_end", "transfer_start", "transfer_end",
@@ -104,9 +116,14 @@ def pool_blocks(inst: PoolInstance, prefix_cache: bool) -> BlockManager:
 class Engine:
     """Common API; the subclasses build their workers and route requests."""
 
+    # Results nobody collects (a caller that submitted and went away) expire.
+    RESULT_TTL_S = 600.0
+    MAX_UNCOLLECTED = 4096
+
     def __init__(self, deployment: Deployment, *, start: bool = True,
-                 router: RouterConfig | None = None):
+                 router: RouterConfig | None = None, limits: RequestLimits | None = None):
         self.deployment = deployment
+        self.limits = limits or RequestLimits()
         self.config: DeploymentConfig = deployment.config
         self.router = router or self.config.router
         self.tokenizer = deployment.tokenizer
@@ -116,7 +133,7 @@ class Engine:
         self._live: dict[str, _Request] = {}  # in flight
         self._results: dict[str, queue.Queue] = {}  # submitted, result not yet taken
         self._cancelled: set[str] = set()
-        self._ids = itertools.count()
+        self._uncollected: deque[tuple[float, str]] = deque()  # (finished at, id)
         self._recent: deque[Result] = deque(maxlen=1024)
         self._counts: Counter = Counter()
         self._stopping = threading.Event()
@@ -139,7 +156,8 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: str | DeploymentConfig, *, progress: bool = False,
-                    start: bool = True, router: RouterConfig | None = None) -> Engine:
+                    start: bool = True, router: RouterConfig | None = None,
+                    limits: RequestLimits | None = None) -> Engine:
         """The engine the config's mode asks for, built, warmed up and running."""
         cfg = load_config(config) if isinstance(config, str) else config
         if cfg.transfer.kind == "cross_process":
@@ -149,7 +167,8 @@ class Engine:
         if cls not in (Engine, engine_cls):
             raise ConfigError(f"mode: {cfg.mode!r} configs run on {engine_cls.__name__}, "
                               f"not {cls.__name__}")
-        return engine_cls(Deployment.build(cfg, progress=progress), start=start, router=router)
+        return engine_cls(Deployment.build(cfg, progress=progress), start=start, router=router,
+                          limits=limits)
 
     @property
     def workers(self) -> list:
@@ -162,12 +181,15 @@ class Engine:
         raise NotImplementedError
 
     def _least_loaded(self, candidates) -> int:
-        return min(candidates, key=lambda j: (self._load[j], self.decoders[j].blocks.num_used))
+        return min(candidates, key=lambda j: (self._load[j],
+                                              self.decoders[j].gauges()["kv_blocks_used"]))
 
     # ------------------------------------------------------------ requests
 
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
-        """Text or ids -> checked token ids (ValueError naming `prompt` otherwise)."""
+        """Text or ids -> checked token ids (ValueError naming `prompt` otherwise).
+        Sizes are checked first: a huge text is refused before it is tokenized."""
+        check_prompt_size(prompt, self.limits)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -175,44 +197,37 @@ class Engine:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids")
             ids = self.tokenizer.encode(prompt)
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError):
-                raise ValueError("prompt: expected text or a list of token ids") from None
+            ids = check_token_ids(prompt, self.vocab_size)
         if not ids:
             raise ValueError("prompt: must not be empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids outside the vocabulary [0, {self.vocab_size}): "
-                             f"{bad[:5]}")
         return ids
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, stop_token_ids: Sequence[int] | None = None,
-               *, _sink: Callable[[tuple], None] | None = None) -> str:
+               *, _sink: Callable[[tuple], None] | None = None, _internal: bool = False) -> str:
         """Queues a request; returns its id. Bad input raises ValueError naming the field;
-        a full engine raises QueueFull."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params: expected SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
-        if len(ids) + params.max_tokens > self._cap:
-            raise ValueError(f"prompt: {len(ids)} tokens + max_tokens {params.max_tokens} "
-                             f"exceed the context of {self._cap} tokens")
-        if stop_token_ids is not None:
-            bad = [t for t in stop_token_ids if not 0 <= int(t) < self.vocab_size]
-            if bad:
-                raise ValueError(f"stop_token_ids: outside the vocabulary: {bad[:5]}")
-        stops = self.eos_ids if stop_token_ids is None else frozenset(map(int, stop_token_ids))
+        a full engine raises QueueFull.
+
+        Without a `request_id` the engine picks an unguessable one (`jd-` + 128 random
+        bits); a caller's own id must not start with `jd-` (`_internal` callers, the
+        router, pass ids the server made).
+        """
+        params = check_params(params or SamplingParams(), self.limits)
+        check_request_id(request_id, self.limits, internal=_internal)
+        stop_token_ids = check_stop_token_ids(stop_token_ids, self.vocab_size, self.limits)
         if params.stop and self.tokenizer is None:
-            raise ValueError("params.stop: stop strings need a tokenizer")
+            raise ValueError("SamplingParams.stop: stop strings need a tokenizer")
+        ids = self.encode(prompt)
+        check_tokens(ids, self.limits, params, self._cap)
+        stops = self.eos_ids if stop_token_ids is None else frozenset(stop_token_ids)
         with self._lock:
             if self._stopping.is_set():
                 raise RuntimeError("the engine is closed")
             if len(self._live) >= self.router.max_requests:
                 raise QueueFull(f"{len(self._live)} requests in flight "
                                 f"(router.max_requests = {self.router.max_requests})")
-            request_id = request_id or f"req-{next(self._ids)}"
+            self._expire_results()
+            request_id = request_id or new_request_id()
             if request_id in self._results or request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
             results: queue.Queue = queue.Queue()
@@ -223,7 +238,18 @@ class Engine:
             if _sink is None:
                 self._results[request_id] = results
             self._route(req)
+        log.debug("%s: queued, %d prompt tokens, route %s", request_id, len(ids), req.route)
         return request_id
+
+    def _expire_results(self) -> None:
+        """Drops results nobody collected: older than RESULT_TTL_S, or beyond
+        MAX_UNCOLLECTED of them (called with the lock held)."""
+        now = time.monotonic()
+        while self._uncollected and (now - self._uncollected[0][0] > self.RESULT_TTL_S
+                                     or len(self._uncollected) > self.MAX_UNCOLLECTED):
+            _, rid = self._uncollected.popleft()
+            if rid not in self._live and self._results.pop(rid, None) is not None:
+                log.info("%s: result expired uncollected", rid)
 
     def cancel(self, request_id: str) -> None:
         """Stops a request wherever it is; its Result ends with finish_reason 'cancelled'."""
@@ -393,6 +419,8 @@ class Engine:
             transfer_bytes=int(req.info.get("transfer_bytes", 0)), route=dict(req.route),
             preemptions=int(req.info.get("preemptions", 0)))
         with self._lock:
+            if request_id in self._results:
+                self._uncollected.append((time.monotonic(), request_id))
             self._recent.append(result)
             self._counts["finished"] += 1
             self._counts[reason.split(":")[0]] += 1
@@ -412,6 +440,7 @@ class Engine:
             try:
                 busy = worker.step()
             except Exception as e:  # noqa: BLE001 - fail its requests, keep serving the rest
+                log.exception("%s: step failed; failing the requests it holds", worker.name)
                 try:
                     self._fail(worker, e)
                 except Exception:  # noqa: BLE001

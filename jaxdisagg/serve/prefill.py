@@ -9,6 +9,11 @@ sampled from the last chunk's logits.
 
 The same scheduler runs on a prefill instance (KV handed to a decode instance) and
 on a decode or colocated instance (no transfer: the blocks stay where they are).
+
+A job whose own work raises (its chunk, its sampling) leaves the queue with its
+blocks released and lands in `failed`; the step goes on with the next job and
+keeps every handoff it already made, so one request's failure is that request's
+alone and the block accounting stays exact.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from jaxdisagg.mesh.deployment import block_table, chunk_at, prefill_last_chunk
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import KVSendSide
 from jaxdisagg.model.sampling import SamplingParams, sample_rows
+from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 
 
@@ -62,6 +68,7 @@ class PrefillScheduler:
         self.inst, self.blocks = inst, blocks
         self.transfers = transfers or {}  # decode instance index -> transfer
         self.queue: deque[PrefillJob] = deque()
+        self.failed: list[tuple[PrefillJob, Exception]] = []  # the caller reports and clears
         self.on_start: Callable[[PrefillJob], None] | None = None  # lifecycle hook
 
     @property
@@ -114,27 +121,45 @@ class PrefillScheduler:
         out = []
         while self.queue and budget > 0:
             job = self.queue[0]
-            if job.next_pos < 0 and not (may_start(job) and self._start(job)):
-                break
-            size = min(budget, self.inst.pool.chunk_size)
-            last = job.next_pos + size >= len(job.prompt)
-            if last and not may_finish(job):
-                break
-            table = block_table(self.inst, job.blocks)
-            start = job.next_pos
-            tokens, n = chunk_at(self.inst, job.prompt, start, size)
-            job.next_pos += n
-            budget -= n
-            if not last:
-                self.inst.prefill(tokens, start, n, table)
+            try:
+                if job.next_pos < 0 and not (may_start(job) and self._start(job)):
+                    break
+                size = min(budget, self.inst.pool.chunk_size)
+                last = job.next_pos + size >= len(job.prompt)
+                if last and not may_finish(job):
+                    break
+                failpoint("prefill.chunk", job.request_id)
+                table = block_table(self.inst, job.blocks)
+                start = job.next_pos
+                tokens, n = chunk_at(self.inst, job.prompt, start, size)
+                job.next_pos += n
+                budget -= n
+                if not last:
+                    self.inst.prefill(tokens, start, n, table)
+                    continue
+                logits, tickets = prefill_last_chunk(self.inst, tokens, start, n, table,
+                                                     job.blocks, self.transfers.get(job.target))
+                failpoint("prefill.sample", job.request_id)
+                token, logprob = sample_rows(logits[None], [job.params], [0])
+                handoff = Handoff(job, tickets, int(token[0]), float(logprob[0]),
+                                  len(job.blocks))
+            except Exception as e:  # noqa: BLE001 - this job fails, the queue goes on
+                self._drop(job, e)
                 continue
-            logits, tickets = prefill_last_chunk(self.inst, tokens, start, n, table,
-                                                 job.blocks, self.transfers.get(job.target))
-            token, logprob = sample_rows(logits[None], [job.params], [0])
-            self.queue.popleft()
-            out.append(Handoff(job, tickets, int(token[0]), float(logprob[0]),
-                               len(job.blocks)))
+            self.queue.popleft()  # only now: a job is in the queue or in `out`, never lost
+            out.append(handoff)
         return out
+
+    def _drop(self, job: PrefillJob, error: Exception) -> None:
+        if job in self.queue:
+            self.queue.remove(job)
+        self.blocks.release(job.blocks)
+        job.blocks = []
+        self.failed.append((job, error))
+
+    def take_failed(self) -> list[tuple[PrefillJob, Exception]]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def release(self, handoff: Handoff) -> None:
         """The pages have left: cache the prompt's full blocks and drop the job's references."""

@@ -22,20 +22,35 @@ lifecycle marks, and every request's end exactly once. A cancel reaches every
 worker that may hold the request; whoever holds it frees its blocks and reports.
 A request caught between workers (in a handoff queue) is dropped by the decode
 worker when it arrives, because the listener says it was cancelled.
+
+Failure containment: whatever one request's own work raises (its chunk, its
+sampling, its transfer, its admission, its row of the batch) fails that request
+alone, with exactly its blocks released; the step goes on for the others. Only
+what no request owns (a whole program call) falls back to the engine, which fails
+the requests the worker holds.
+
+Readers on other threads (metrics, Info, health checks, the router's load
+figures) never touch a worker's structures: after every step the worker publishes
+an immutable snapshot of its gauges (`gauges()` returns the latest).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections import deque
+from types import MappingProxyType
 from typing import Protocol
 
 import jax
 
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.serve.decode import DecodeScheduler, Sequence
+from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 from jaxdisagg.serve.prefill import Handoff, PrefillJob, PrefillScheduler
+
+log = logging.getLogger(__name__)
 
 
 class Listener(Protocol):
@@ -51,6 +66,10 @@ class Listener(Protocol):
     def is_cancelled(self, request_id: str) -> bool: ...
 
 
+def _error(e: Exception) -> str:
+    return f"error: {type(e).__name__}: {e}"
+
+
 def _first_token_ends(job: PrefillJob, token: int) -> str | None:
     if token in job.stop_ids:
         return "stop"
@@ -64,6 +83,19 @@ class _Worker:
         self.name, self.listener = name, listener
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("job", PrefillJob) | ("cancel", id)
         self.wake = None  # set by the engine: a threading.Event to poke on new work
+        self._snapshot = MappingProxyType({})
+
+    def publish(self) -> None:
+        """Takes a fresh snapshot of the gauges (the worker's own thread only)."""
+        self._snapshot = MappingProxyType(self._gauges())
+
+    def gauges(self):
+        """The gauges as of this worker's last step: safe from any thread."""
+        return self._snapshot
+
+    def _fail_job(self, job: PrefillJob, error: Exception, tokens=()) -> None:
+        log.warning("%s: failed in %s: %s", job.request_id, self.name, error)
+        self.listener.finish(job.request_id, list(tokens), _error(error), job.cached_tokens)
 
     def _started(self, job: PrefillJob) -> None:
         if not job.resume:
@@ -88,15 +120,24 @@ class _Worker:
 
     @property
     def capacity(self) -> int:
-        """Longest request (prompt + generated) this worker's instance can hold."""
-        return self.inst.max_pages * self.blocks.block_size
+        """Longest request (prompt + generated) this worker's instance can hold: its
+        block table's reach, and never more than the whole pool."""
+        return min(self.inst.max_pages, self.blocks.num_blocks) * self.blocks.block_size
 
     def prefix_hit(self, prompt) -> int:
         return self.blocks.peek_prefix(prompt)
 
+    def step(self) -> bool:
+        """One round of this worker's work; False when there was nothing to do."""
+        try:
+            return self._step()
+        finally:
+            self.publish()
+
     def drain(self) -> None:
         """Handles what is posted without running any program (used at shutdown)."""
         self._drain_inbox()
+        self.publish()
 
     def _accept(self, job: PrefillJob) -> None:
         try:
@@ -120,6 +161,7 @@ class PrefillWorker(_Worker):
         self._outgoing: deque[Handoff] = deque()  # a full target queue: retried next step
         self.bytes_sent = 0
         self.transfers_done = 0
+        self.publish()
 
     def _room(self, job: PrefillJob, finishing: list[PrefillJob]) -> bool:
         """Backpressure: a job's last chunk runs only if its handoff fits the queue."""
@@ -131,7 +173,7 @@ class PrefillWorker(_Worker):
         finishing.append(job)
         return True
 
-    def step(self) -> bool:
+    def _step(self) -> bool:
         """One scheduling round; False when there was nothing to do."""
         self._drain_inbox()
         self._send()
@@ -141,13 +183,24 @@ class PrefillWorker(_Worker):
         before = head.next_pos
         finishing: list[PrefillJob] = []
         handoffs = self.scheduler.step(may_finish=lambda job: self._room(job, finishing))
+        failed = self.scheduler.take_failed()
+        for job, e in failed:
+            self._fail_job(job, e)
         for h in handoffs:
-            self._hand_off(h)
+            try:
+                self._hand_off(h)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                if h.job.blocks:
+                    self.scheduler.release(h)
+                if h in self._outgoing:
+                    self._outgoing.remove(h)
+                self._fail_job(h.job, e, [h.first_token])
         self._send()
-        return bool(handoffs) or head.next_pos != before
+        return bool(handoffs) or bool(failed) or head.next_pos != before
 
     def _hand_off(self, h: Handoff) -> None:
         job = h.job
+        failpoint("prefill.handoff", job.request_id)
         self.scheduler.release(h)  # the pages are staged for the transfer already
         self.listener.mark(job.request_id, "prefill_end", h.done_at)
         if h.tickets:  # (a cross-process offer has no dispatch time: now, then)
@@ -161,6 +214,7 @@ class PrefillWorker(_Worker):
             self.listener.finish(job.request_id, [h.first_token],
                                  reason or "cancelled", job.cached_tokens)
             return  # the staged KV is simply dropped
+        failpoint("transfer.send", job.request_id)
         self.bytes_sent += h.nbytes
         self.transfers_done += 1
         h.source = self.index
@@ -193,7 +247,7 @@ class PrefillWorker(_Worker):
     def idle(self) -> bool:
         return not (self.scheduler.queue or self._outgoing)
 
-    def gauges(self) -> dict:
+    def _gauges(self) -> dict:
         return {"queued_requests": len(self.scheduler.queue),
                 "queued_tokens": self.scheduler.queued_tokens(),
                 **self.blocks.gauges(),
@@ -217,6 +271,7 @@ class DecodeWorker(_Worker):
         self.bytes_received = 0
         self.transfer_failures = 0
         self.on_transfer_failure = "fail"  # or "recompute": prefill it on this instance
+        self.publish()
 
     # ---------------------------------------------------------------- cancel
 
@@ -243,12 +298,13 @@ class DecodeWorker(_Worker):
             try:
                 h = self.handoffs.get_nowait()
             except queue.Empty:
-                return
+                break
             if self.listener.is_cancelled(h.job.request_id):
                 self.listener.finish(h.job.request_id, [h.first_token], "cancelled",
                                      h.job.cached_tokens)
             else:
                 self.ready.append(h)
+        self.publish()
 
     # ---------------------------------------------------------------- admission
 
@@ -279,6 +335,7 @@ class DecodeWorker(_Worker):
                 except OutOfBlocks:
                     return  # the KV stays staged on our devices until blocks free up
                 try:
+                    failpoint("transfer.insert", job.request_id)
                     # In-process tickets are arrays already moving; cross-process ones
                     # are offers that `insert` pulls (under its watchdog).
                     jax.block_until_ready([t.pages for t in h.tickets if hasattr(t, "pages")])
@@ -291,15 +348,23 @@ class DecodeWorker(_Worker):
                     continue
                 self.listener.mark(job.request_id, "transfer_end")
                 self.bytes_received += h.nbytes
-            else:  # prefilled here: cache its prompt blocks, hand its references on
-                self.blocks.register(job.prompt, job.blocks)
             self.ready.popleft()
+            try:
+                failpoint("decode.admit", job.request_id)
+                if h.source is None:  # prefilled here: cache its prompt blocks
+                    self.blocks.register(job.prompt, job.blocks)
+            except Exception as e:  # noqa: BLE001 - this request fails, the others go on
+                self.blocks.release(job.blocks)
+                job.blocks = []
+                seq = self._resume.pop(job.request_id, None)
+                self._fail_job(job, e, seq.tokens if seq else [h.first_token])
+                continue
             seq = self._resume.pop(job.request_id, None)
             fresh = seq is None
             if fresh:
                 seq = Sequence(job.request_id, job.prompt, job.params, job.stop_ids,
                                tokens=[h.first_token], logprobs=[h.first_logprob])
-            seq.blocks = job.blocks
+            seq.blocks = job.blocks  # the sequence holds the job's references now
             job.blocks = []
             self.decode.admit(seq)
             self.listener.mark(seq.request_id, "decode_insert")
@@ -316,6 +381,7 @@ class DecodeWorker(_Worker):
             self.scheduler.submit(PrefillJob(job.request_id, job.prompt, job.params,
                                              job.stop_ids, target=job.target))
             return
+        log.warning("%s: KV transfer failed: %s", job.request_id, error)
         self.listener.finish(job.request_id, seq.tokens if seq else [],
                              f"error: KV transfer failed: {error}", job.cached_tokens)
 
@@ -324,7 +390,11 @@ class DecodeWorker(_Worker):
             return False
         head = self.scheduler.queue[0]
         before = head.next_pos
-        for h in self.scheduler.step(may_start=self._may_start):
+        handoffs = self.scheduler.step(may_start=self._may_start)
+        for job, e in self.scheduler.take_failed():
+            seq = self._resume.pop(job.request_id, None)
+            self._fail_job(job, e, seq.tokens if seq else [])
+        for h in handoffs:
             job = h.job
             if not job.resume:
                 self.listener.mark(job.request_id, "prefill_end", h.done_at)
@@ -344,7 +414,7 @@ class DecodeWorker(_Worker):
 
     # ---------------------------------------------------------------- the step
 
-    def step(self) -> bool:
+    def _step(self) -> bool:
         """One iteration: admit, one local prefill chunk, one decode step."""
         self._drain_inbox()
         self._pull_handoffs()
@@ -356,6 +426,9 @@ class DecodeWorker(_Worker):
             self.listener.token(rid, token, logprob)
         for seq in result.finished:
             self.listener.finish(seq.request_id, seq.tokens, seq.finish_reason)
+        for seq, e in result.failed:
+            log.warning("%s: failed in %s: %s", seq.request_id, self.name, e)
+            self.listener.finish(seq.request_id, seq.tokens, _error(e))
         for seq in result.preempted:  # recompute prompt + generated here, then decode on
             self._resume[seq.request_id] = seq
             self.listener.mark(seq.request_id, "preempted")
@@ -363,14 +436,15 @@ class DecodeWorker(_Worker):
                              seq.stop_ids, resume=True)
             q = self.scheduler.queue  # first in line, behind a job already mid-prefill
             q.insert(1 if q and q[0].next_pos >= 0 else 0, job)
-        return did or bool(result.tokens) or bool(result.preempted)
+        return (did or bool(result.tokens) or bool(result.preempted)
+                or bool(result.failed))
 
     @property
     def idle(self) -> bool:
         return not (self.scheduler.queue or self.ready or self.decode.active
                     or not self.handoffs.empty() or self._resume)
 
-    def gauges(self) -> dict:
+    def _gauges(self) -> dict:
         return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
                 "local_prefill_queued": len(self.scheduler.queue),
                 "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
