@@ -102,7 +102,8 @@ def test_abandoned_stream_and_cancel_free_blocks(engine):
     (["a", "b"], None, {}, "prompt: expected text or a list of token ids"),
     ([1] * 1020, SamplingParams(max_tokens=10), {}, "exceed the context of 1024"),
     ([256, 1], {"max_tokens": 3}, {}, "params: expected SamplingParams"),
-    ([256, 1], None, {"stop_token_ids": [100000]}, "stop_token_ids: token ids outside the vocabulary"),
+    ([256, 1], None, {"stop_token_ids": [100000]},
+     "stop_token_ids: token ids outside the vocabulary"),
 ])
 def test_bad_input_is_a_clear_error_and_serving_goes_on(engine, prompt, params, kwargs,
                                                          message):

@@ -58,7 +58,8 @@ class SamplingParams:
         ]
         for field, ok, why in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{field} {why}, got {getattr(self, field)!r}"[:300])
+                got = repr(getattr(self, field))
+                raise ValueError(f"SamplingParams.{field} {why}, got {got[:80]}")
 
 
 def _is_int(v) -> bool:
