@@ -92,40 +92,51 @@ def cmd_serve(args) -> int:
     import dataclasses
 
     from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.mesh.control import load_secret
     from jaxdisagg.serve.engine import Engine
     from jaxdisagg.serve.server import Server, ServerLimits, serve_forever
+    from jaxdisagg.serve.validation import RequestLimits
 
     cfg = load_config(args.config)
     if args.max_requests is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, max_requests=args.max_requests))
-    limits = ServerLimits(max_prompt_tokens=args.max_prompt_tokens,
-                          max_new_tokens=args.max_new_tokens,
-                          max_message_bytes=args.max_message_bytes)
+    limits = RequestLimits(max_prompt_tokens=args.max_prompt_tokens,
+                           max_prompt_bytes=args.max_prompt_bytes,
+                           max_new_tokens=args.max_new_tokens)
+    server_limits = ServerLimits(max_message_bytes=args.max_message_bytes,
+                                 stall_timeout_s=args.stall_timeout)
+    secret = None
+    if args.secret_file:
+        os.environ["JAXDISAGG_SECRET_FILE"] = args.secret_file
+    if args.role in ("router", "decode", "prefill"):
+        secret = load_secret()  # before any work: a missing secret is a clear error
     if args.role == "router":
         from jaxdisagg.serve.router import Router
 
         if not args.decode:
             raise ValueError("--decode: the router needs the decode processes' addresses")
-        serve_forever(Router(args.decode.split(","), args.host, args.port))
+        serve_forever(Router(args.decode.split(","), args.host, args.port, secret=secret))
         return 0
     if cfg.transfer.kind != "cross_process":
         if args.role:
             raise ValueError(f"--role: {args.config} runs its pools in one process; --role "
                              "is for transfer.kind: cross_process configs")
-        engine = Engine.from_config(cfg, progress=True)
+        engine = Engine.from_config(cfg, progress=True, limits=limits)
     elif args.role == "prefill":
-        return _serve_prefill(cfg, args)
+        return _serve_prefill(cfg, args, secret)
     elif args.role == "decode" and args.prefill:
         from jaxdisagg.serve.remote import CrossProcessEngine
 
-        engine = CrossProcessEngine.build(cfg, args.prefill.split(","), progress=True)
+        engine = CrossProcessEngine.build(cfg, args.prefill.split(","), progress=True,
+                                          secret=secret, limits=limits)
     else:
         raise ValueError("--role: a cross_process config runs one pool per process: "
                          "`serve --role prefill`, then `serve --role decode --prefill "
                          "HOST:PORT`; `jaxdisagg launch` starts both")
     try:
-        server = Server(engine, args.host, args.port, limits, args.metrics_port)
+        server = Server(engine, args.host, args.port, server_limits, args.metrics_port,
+                        secret=secret)
     except Exception:
         engine.close()
         raise
@@ -143,18 +154,19 @@ def _wait_for_signal():
     return stop
 
 
-def _serve_prefill(cfg, args) -> int:
+def _serve_prefill(cfg, args, secret: str) -> int:
     from jaxdisagg.mesh.deployment import Deployment
     from jaxdisagg.serve.remote import PrefillService
+    from jaxdisagg.serve.server import say
 
     stop = _wait_for_signal()
     service = PrefillService(Deployment.build(cfg, role="prefill", progress=True), args.host,
-                             args.control_port)
-    print(f"READY {service.address}", flush=True)
+                             args.control_port, secret=secret)
+    say(f"READY {service.address}")
     stop.wait()
-    print("draining", flush=True)
+    say("draining")
     service.close()
-    print("stopped", flush=True)
+    say("stopped")
     return 0
 
 
@@ -181,10 +193,18 @@ def cmd_launch(args) -> int:
                 os.sched_setaffinity(0, {cores[i]})
         return setup
 
+    # A fresh secret per deployment, handed down through the environment (readable
+    # by this user's processes only): the internal channels refuse anyone without it.
+    import secrets
+
+    env = {**os.environ, "JAXDISAGG_SECRET": secrets.token_hex(32)}
+    env.pop("JAXDISAGG_SECRET_FILE", None)
+    log_level = ["--log-level", args.log_level]
+
     def start(i, *extra):
-        proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "serve", "--config",
-                                 args.config, *extra], stdout=subprocess.PIPE, text=True,
-                                preexec_fn=pinned(i))
+        proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", *log_level, "serve",
+                                 "--config", args.config, *extra], stdout=subprocess.PIPE,
+                                text=True, preexec_fn=pinned(i), env=env)
         line = proc.stdout.readline()
         if not line.startswith("READY"):
             proc.kill()
@@ -213,9 +233,15 @@ def cmd_launch(args) -> int:
              f"{cores[1]}" if len(cores) > 1 else
              f"prefill pid {prefill.pid}, decode pid {decode.pid}: one core, not pinned")
     print(f"READY {public} ({where}, router pid {router.pid})", flush=True)
+    rc = 0
+    names = {prefill: "prefill", decode: "decode", router: "router"}
     while not stop.wait(0.5):
-        if any(proc.poll() is not None for proc in procs):
-            print("a pool process exited; stopping", flush=True)
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:  # a supervisor must tell a crash from a clean stop
+            rc = 1
+            print("; ".join(f"the {names[p]} process (pid {p.pid}) exited unexpectedly "
+                            f"with status {p.returncode}" for p in dead) + "; stopping",
+                  file=sys.stderr, flush=True)
             break
     print("draining", flush=True)
     for proc in (router, decode, prefill):  # front first: what is in flight finishes
@@ -226,7 +252,7 @@ def cmd_launch(args) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     print("stopped", flush=True)
-    return 0
+    return rc
 
 
 def _remote_generate(args) -> int:
@@ -371,6 +397,9 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="jaxdisagg", description=__doc__)
+    p.add_argument("--log-level", default="WARNING",
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                   help="logging threshold (to stderr; request ids in every message)")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("convert", help="convert a Hugging Face Llama checkpoint to Orbax")
@@ -405,9 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus /metrics on this port (0 picks a free one)")
     s.add_argument("--max-requests", type=int, default=None,
                    help="requests in flight before RESOURCE_EXHAUSTED (router.max_requests)")
-    s.add_argument("--max-prompt-tokens", type=int, default=None)
-    s.add_argument("--max-new-tokens", type=int, default=4096)
-    s.add_argument("--max-message-bytes", type=int, default=4 * 2**20)
+    s.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="longest prompt in tokens (default: what fits the context)")
+    s.add_argument("--max-prompt-bytes", type=int, default=256 * 1024,
+                   help="longest text prompt in UTF-8 bytes, checked before tokenizing")
+    s.add_argument("--max-new-tokens", type=int, default=4096,
+                   help="largest max_tokens a request may ask for")
+    s.add_argument("--max-message-bytes", type=int, default=4 * 2**20,
+                   help="largest gRPC message, either way")
+    s.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="cancel a stream whose client has read nothing for this long")
+    s.add_argument("--secret-file", default=None,
+                   help="file holding the deployment secret of the internal channels "
+                        "(--role prefill|decode|router; or set JAXDISAGG_SECRET)")
     s.add_argument("--role", choices=("prefill", "decode", "router"), default=None,
                    help="run one pool of a cross_process config, or the router in front")
     s.add_argument("--decode", metavar="HOST:PORT[,HOST:PORT...]",
@@ -482,6 +521,10 @@ def _host_devices(n: int = 8) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    import logging
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     _host_devices()
     try:
         return args.fn(args)

@@ -5,6 +5,9 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The deployment secret of the internal channels: every process the tests start
+# inherits it (tests/test_security.py starts processes without it on purpose).
+os.environ.setdefault("JAXDISAGG_SECRET", "test-" + os.urandom(16).hex())
 
 import pytest  # noqa: E402
 

@@ -13,14 +13,19 @@ gRPC (`control.py`) for the control messages.
 
 Per-piece offers make any pair of tensor-parallel degrees work: the receiver
 never has to match the sender's sharding.
+
+The transfer server itself has no authentication: whoever knows an offer's uuid
+can pull it. So a uuid is 63 random bits, never a counter, and it travels only
+inside answers of the authenticated control channel (`control.py`): a process
+without the deployment secret never sees one, and guessing one is hopeless.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import itertools
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -30,7 +35,7 @@ import numpy as np
 from jax.experimental import transfer as jax_transfer
 from jax.sharding import SingleDeviceSharding
 
-from jaxdisagg.mesh.control import ControlClient, ControlServer
+from jaxdisagg.mesh.control import ControlClients, ControlServer
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import (
     HEAD_AXIS,
@@ -87,6 +92,11 @@ class KVOffer:
         return cls(**data)
 
 
+def new_offer_uuid() -> int:
+    """An offer's id: 63 random bits (the transfer server takes a 64-bit int)."""
+    return secrets.randbits(63) or 1
+
+
 def _start_transfer_server():
     client = jax.devices()[0].client
     return jax_transfer.start_transfer_server(client, "127.0.0.1:0",
@@ -96,15 +106,16 @@ def _start_transfer_server():
 class KVSender:
     """Prefill side: offers staged pages and holds them until released or the lease ends."""
 
-    def __init__(self, inst: PoolInstance, lease_s: float = 60.0, control_port: int = 0):
+    def __init__(self, inst: PoolInstance, lease_s: float = 60.0, control_port: int = 0,
+                 secret: str | None = None):
         self.source = KVSource(inst)
         self.lease_s = lease_s
         self.compat = compat_hash(inst)
         self._server = _start_transfer_server()
-        self._control = ControlServer({"release": self._on_release}, port=control_port)
+        self._control = ControlServer({"release": self._on_release}, port=control_port,
+                                      secret=secret)
         self._held: dict[int, tuple[list[jax.Array], float]] = {}
         self._lock = threading.Lock()
-        self._uuids = itertools.count(int(time.time() * 1000) % 1_000_000 * 1000 + 1)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="kv-lease")
         self._reaper.start()
@@ -117,7 +128,7 @@ class KVSender:
         """Stages and offers the pages; never blocks on the prefill compute."""
         staged, nbytes = self.source.stage(layers, src_blocks)
         pieces = self.source.pieces(staged)
-        uuid = next(self._uuids)
+        uuid = new_offer_uuid()
         arrays = [p.data for p in pieces]
         self._server.await_pull(uuid, arrays)
         with self._lock:
@@ -161,8 +172,10 @@ class KVSender:
 class KVReceiver:
     """Decode side: pulls offers under a watchdog and lands them in the pool."""
 
-    def __init__(self, inst: PoolInstance, pull_timeout_s: float = 30.0):
+    def __init__(self, inst: PoolInstance, pull_timeout_s: float = 30.0,
+                 secret: str | None = None):
         self.sink = KVSink(inst)
+        self.control = ControlClients(secret)  # one channel per sender, for releases
         self.inst = inst
         self.pull_timeout_s = pull_timeout_s
         self.compat = compat_hash(inst)
@@ -237,10 +250,17 @@ class KVReceiver:
         self.sink.insert(parts, dst_blocks)
         jax.block_until_ready(self.inst.kv)
         stats = TransferStats(sum(p.nbytes for p in parts), time.perf_counter() - start)
+        self.release(offers)
+        return stats
+
+    def release(self, offers: list[KVOffer]) -> None:
+        """Tells the senders they may drop these offers (pulled or not)."""
         for offer in offers:
             try:
-                ControlClient(offer.control_address).call("release", {"uuid": offer.uuid},
-                                                          timeout=5.0)
+                self.control.get(offer.control_address).call(
+                    "release", {"uuid": offer.uuid}, timeout=5.0)
             except Exception:  # noqa: BLE001 - the sender's lease frees it anyway
                 pass
-        return stats
+
+    def close(self) -> None:
+        self.control.close()

@@ -503,6 +503,10 @@ class Engine:
                 "generated_tokens": counts.get("generated_tokens", 0),
                 "latency": latency, "pools": {w.name: w.gauges() for w in self.workers}}
 
+    def healthy(self) -> bool:
+        """Whether every pool this engine needs is reachable (in-process: always)."""
+        return not self._stopping.is_set()
+
     def add_finish_listener(self, fn: Callable[[Result], None]) -> None:
         """Calls fn(result) for every request that ends (metrics exporters)."""
         self._on_finish.append(fn)

@@ -17,11 +17,16 @@ Failures stay per request: a prefill process that is down fails its requests wit
 UNAVAILABLE-style errors ("error: prefill pool unavailable"); a pull that times out
 fails the request, or prefills it again on the decode instance when
 `transfer.on_failure: recompute`; offers nobody pulls are freed when the lease ends.
+
+Every control call carries the deployment secret (`mesh/control.py`), and the
+prefill process checks each message with the same validation as the public front
+ends: a message that passes can never fail inside a prefill step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import queue
 import threading
@@ -31,14 +36,17 @@ from concurrent import futures
 import grpc
 
 from jaxdisagg.mesh.config import DeploymentConfig
-from jaxdisagg.mesh.control import ControlClient, ControlServer
+from jaxdisagg.mesh.control import ControlClient, ControlServer, load_secret
 from jaxdisagg.mesh.deployment import Deployment
 from jaxdisagg.mesh.xproc import KVOffer, KVReceiver, KVSender
 from jaxdisagg.model.sampling import SamplingParams
 from jaxdisagg.serve.engine import DisaggregatedEngine, pool_blocks
+from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.prefill import Handoff, PrefillJob
+from jaxdisagg.serve.validation import RequestLimits, check_request_id, check_token_ids
 from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
 
+log = logging.getLogger(__name__)
 _PARAMS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "stop")
 
 
@@ -47,9 +55,17 @@ def params_to_json(p: SamplingParams) -> dict:
             if k in _PARAMS}
 
 
-def params_from_json(d: dict) -> SamplingParams:
-    return SamplingParams(**{k: tuple(v) if k == "stop" else v for k, v in d.items()
-                             if k in _PARAMS})
+def params_from_json(d) -> SamplingParams:
+    """SamplingParams from a control message; unknown or mistyped fields are refused."""
+    if not isinstance(d, dict):
+        raise ValueError("params: expected an object")
+    unknown = set(d) - set(_PARAMS)
+    if unknown:
+        raise ValueError(f"params: unknown fields {sorted(unknown)}")
+    stop = d.get("stop", [])
+    if not isinstance(stop, list):
+        raise ValueError("params.stop: expected a list of strings")
+    return SamplingParams(**{**d, "stop": tuple(stop)})
 
 
 class _Outbox:
@@ -71,7 +87,8 @@ class _Pending:
 class PrefillService:
     """The prefill process: one instance of the deployment's prefill pool."""
 
-    def __init__(self, dep: Deployment, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, dep: Deployment, host: str = "127.0.0.1", port: int = 0,
+                 secret: str | None = None):
         # Fault injection for tests (a failpoint): "die_after_offer" answers the first
         # prefill call with offers that are never served, then kills this process, as
         # if it died while the decode side pulls.
@@ -79,7 +96,9 @@ class PrefillService:
         cfg = dep.config
         inst = dep.pools["prefill"][0]
         self.config = cfg
-        self.sender = KVSender(inst, lease_s=cfg.transfer.lease_s)
+        self.sender = KVSender(inst, lease_s=cfg.transfer.lease_s, secret=secret)
+        self.vocab_size = inst.config.vocab_size
+        self.limits = RequestLimits()
         self.outbox = _Outbox(cfg.router.handoff_queue)
         self.blocks = pool_blocks(inst, cfg.router.prefix_cache)
         self.worker = PrefillWorker(0, inst, self.blocks, {0: self.sender}, [self.outbox], self)
@@ -93,7 +112,8 @@ class PrefillService:
         for t in self._threads:
             t.start()
         self.control = ControlServer({"prefill": self._prefill, "cancel": self._cancel,
-                                      "stats": self._stats}, host=host, port=port, workers=64)
+                                      "stats": self._stats}, host=host, port=port, workers=64,
+                                     secret=secret)
         self.address = self.control.address
 
     # ---------------------------------------------------------------- the worker side
@@ -104,6 +124,7 @@ class PrefillService:
             try:
                 busy = self.worker.step()
             except Exception as e:  # noqa: BLE001 - fail what is waiting, keep serving
+                log.exception("prefill step failed; failing the requests it holds")
                 with self._lock:
                     waiting = list(self._pending)
                 for rid in waiting:
@@ -161,23 +182,39 @@ class PrefillService:
     # ---------------------------------------------------------------- control methods
 
     def _prefill(self, msg: dict) -> dict:
-        rid = str(msg["request_id"])
-        prompt = [int(t) for t in msg["prompt"]]
-        job = PrefillJob(rid, prompt, params_from_json(msg["params"]),
-                         frozenset(int(t) for t in msg["stop_ids"]))
+        """Checked like a public request: ids, prompt, params, stop ids, timeout."""
+        rid = msg.get("request_id")
+        check_request_id(rid, self.limits, internal=True)
+        if rid is None:
+            raise ValueError("request_id: required")
+        prompt = msg.get("prompt")
+        if not isinstance(prompt, list) or not 0 < len(prompt) <= self.worker.capacity:
+            raise ValueError(f"prompt: expected 1..{self.worker.capacity} token ids")
+        prompt = check_token_ids(prompt, self.vocab_size)
+        stop_ids = msg.get("stop_ids", [])
+        if not isinstance(stop_ids, list) or len(stop_ids) > self.limits.max_stop_token_ids:
+            raise ValueError("stop_ids: expected a list of token ids")
+        stop_ids = check_token_ids(stop_ids, self.vocab_size, "stop_ids")
+        timeout = msg.get("timeout_s", 300)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) \
+                or not 0 < timeout <= 3600:
+            raise ValueError("timeout_s: expected a number of seconds in (0, 3600]")
+        job = PrefillJob(rid, prompt, params_from_json(msg.get("params", {})),
+                         frozenset(stop_ids))
         pending = _Pending(time.perf_counter())
         with self._lock:
             if rid in self._pending:
                 raise ValueError(f"request_id: {rid!r} is already being prefilled")
             self._pending[rid] = pending
         self.worker.post("job", job)
-        if not pending.done.wait(float(msg.get("timeout_s", 300))):
+        if not pending.done.wait(float(timeout)):
             self._cancel({"request_id": rid})
             raise TimeoutError(f"request {rid!r}: prefill did not finish in time")
         return pending.reply
 
     def _cancel(self, msg: dict) -> dict:
-        rid = str(msg["request_id"])
+        rid = msg.get("request_id")
+        check_request_id(rid, self.limits, internal=True)
         with self._lock:
             if rid in self._pending:
                 self._cancelled.add(rid)
@@ -210,19 +247,21 @@ class RemotePrefill:
 
     def __init__(self, address: str, decoders: list[DecodeWorker], listener,
                  receiver: KVReceiver, on_failure: str = "fail", rpc_timeout_s: float = 300.0,
-                 name: str = "prefill[0]", health_every_s: float = 1.0):
+                 name: str = "prefill[0]", health_every_s: float = 1.0,
+                 secret: str | None = None):
         self.name = name
         self.address, self.decoders, self.listener = address, decoders, listener
         self.receiver, self.on_failure = receiver, on_failure
         self.transfer_failures = 0
         self._closed = threading.Event()
-        self.client = ControlClient(address)
+        self.client = ControlClient(address, secret)
         self.rpc_timeout_s = rpc_timeout_s
         stats = self.client.call("stats", {}, timeout=30)  # fails fast if it is not there
         self.capacity = int(stats["capacity"])
         self._gauges = stats["gauges"]
         self._calls = futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="rprefill")
-        self._inflight = 0
+        self._inflight = 0  # calls on the pool's threads: under the lock
+        self._lock = threading.Lock()
         self.wake = None
         self.healthy = True  # the router skips an unhealthy prefill process
         self._health_every_s = health_every_s
@@ -236,7 +275,10 @@ class RemotePrefill:
                 self._gauges = self.client.call("stats", {}, timeout=self._health_every_s)[
                     "gauges"]
                 self.healthy = True
-            except grpc.RpcError:
+            except grpc.RpcError as e:
+                if self.healthy:
+                    log.warning("%s at %s is unreachable: %s", self.name, self.address,
+                                e.code().name)
                 self.healthy = False
 
     def prefix_hit(self, prompt) -> int:
@@ -244,10 +286,22 @@ class RemotePrefill:
 
     def post(self, kind: str, item) -> None:
         if kind == "job":
-            self._inflight += 1
-            self._calls.submit(self._prefill, item)
+            with self._lock:
+                self._inflight += 1
+            self._calls.submit(self._prefill_guarded, item)
         elif kind == "cancel":
             self._calls.submit(self._cancel, item)
+
+    def _prefill_guarded(self, job: PrefillJob) -> None:
+        """No error on the pool's threads is lost: the request fails with the reason."""
+        try:
+            self._prefill(job)
+        except Exception as e:  # noqa: BLE001
+            log.exception("%s: remote prefill failed", job.request_id)
+            self.listener.finish(job.request_id, [], f"error: {type(e).__name__}: {e}")
+        finally:
+            with self._lock:
+                self._inflight -= 1
 
     def _cancel(self, request_id: str) -> None:
         try:
@@ -264,13 +318,11 @@ class RemotePrefill:
                 "stop_ids": sorted(job.stop_ids), "timeout_s": self.rpc_timeout_s},
                 timeout=self.rpc_timeout_s + 5)
         except grpc.RpcError as e:
-            self._inflight -= 1
             if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.healthy = False
             self.listener.finish(rid, [], f"error: prefill pool unavailable "
                                           f"({e.code().name}: {e.details()})")
             return
-        self._inflight -= 1
         self.healthy = True
         for event, offset in reply.get("marks", {}).items():
             if event in ("prefill_start", "prefill_end"):  # the other process's clock
@@ -287,6 +339,7 @@ class RemotePrefill:
         offers = [KVOffer.from_json(o) for o in reply["offers"]]
         target = self.decoders[job.target]
         try:  # here, not on the decode thread: a slow pull must not stall the decode batch
+            failpoint("transfer.insert", rid)
             parts = [self.receiver.pull(o) for o in offers]
         except Exception as e:  # noqa: BLE001 - KVTransferError, or the sender vanished
             self.transfer_failures += 1
@@ -298,7 +351,7 @@ class RemotePrefill:
                 self.listener.finish(rid, [], f"error: KV transfer failed: {e}")
             return
         finally:
-            self._release(offers)
+            self.receiver.release(offers)
         h = Handoff(job, parts, int(reply["first_token"]), float(reply["first_logprob"]),
                     int(reply["num_blocks"]), source=0)
         while not self._closed.is_set():
@@ -309,15 +362,6 @@ class RemotePrefill:
             if target.wake is not None:
                 target.wake.set()
             return
-
-    @staticmethod
-    def _release(offers: list[KVOffer]) -> None:
-        for offer in offers:  # pulled or not: the sender may drop them now
-            try:
-                ControlClient(offer.control_address).call("release", {"uuid": offer.uuid},
-                                                          timeout=5.0)
-            except grpc.RpcError:
-                pass  # its lease frees them anyway
 
     def step(self) -> bool:
         return False  # the work happens in the prefill process
@@ -331,8 +375,10 @@ class RemotePrefill:
 
     def gauges(self) -> dict:
         """The prefill process's own gauges as of the last health check."""
+        with self._lock:
+            inflight = self._inflight
         return {**self._gauges, "reachable": int(self.healthy),
-                "calls_in_flight": self._inflight, "transfer_failures": self.transfer_failures}
+                "calls_in_flight": inflight, "transfer_failures": self.transfer_failures}
 
     def close(self) -> None:
         self._closed.set()
@@ -343,10 +389,12 @@ class RemotePrefill:
 class CrossProcessEngine(DisaggregatedEngine):
     """The decode process of a cross-process deployment, fronting the requests."""
 
-    def __init__(self, deployment: Deployment, prefill_addresses: list[str], **kwargs):
+    def __init__(self, deployment: Deployment, prefill_addresses: list[str],
+                 secret: str | None = None, **kwargs):
         if not prefill_addresses:
             raise ValueError("--prefill: give at least one prefill process address")
         self.prefill_addresses = list(prefill_addresses)
+        self.secret = secret or load_secret()
         super().__init__(deployment, **kwargs)
 
     @classmethod
@@ -355,19 +403,26 @@ class CrossProcessEngine(DisaggregatedEngine):
         return cls(Deployment.build(config, role="decode", progress=progress),
                    prefill_addresses, **kwargs)
 
+    def healthy(self) -> bool:
+        """Serving needs at least one reachable prefill process."""
+        return any(w.healthy for w in self.prefillers)
+
     def _build_workers(self) -> None:
         cfg = self.config
         inst = self.deployment.pools["decode"][0]
-        receiver = KVReceiver(inst, pull_timeout_s=cfg.transfer.pull_timeout_s)
+        receiver = self.receiver = KVReceiver(inst, pull_timeout_s=cfg.transfer.pull_timeout_s,
+                                              secret=self.secret)
         # Handoffs arrive pulled already: the decode worker only scatters them in.
         worker = DecodeWorker("decode[0]", inst, pool_blocks(inst, False), {0: receiver.sink},
                               self, self.router.handoff_queue)
         self.decoders.append(worker)
         for i, address in enumerate(self.prefill_addresses):
             self.prefillers.append(RemotePrefill(address, self.decoders, self, receiver,
-                                                 cfg.transfer.on_failure, name=f"prefill[{i}]"))
+                                                 cfg.transfer.on_failure, name=f"prefill[{i}]",
+                                                 secret=self.secret))
 
     def close(self) -> None:
         super().close()
         for w in self.prefillers:
             w.close()
+        self.receiver.close()

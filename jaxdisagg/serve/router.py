@@ -6,11 +6,15 @@ routes on to its prefill processes). Backends are health-checked every second wi
 the standard health service; one that is down gets no traffic until it answers
 again. Streams are proxied response by response, deadlines and client cancels
 travel on to the backend, and a backend's status code comes back unchanged.
+
+The router names each request it forwards without an id (`jd-` + 128 random
+bits, the server namespace) and proves to the decode process, with the
+deployment secret, that it may; clients' own ids are checked as the decode
+process would, before anything is forwarded.
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import threading
 from concurrent import futures
@@ -19,8 +23,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxdisagg.mesh.control import AUTH_KEY, load_secret
 from jaxdisagg.serve.proto import jaxdisagg_pb2_grpc as pb_grpc
 from jaxdisagg.serve.server import SERVICE, _handlers
+from jaxdisagg.serve.validation import RequestLimits, check_request_id, new_request_id
 
 
 class Backend:
@@ -41,12 +47,14 @@ class Backend:
 
 
 class RouterService:
-    def __init__(self, backends: list[Backend]):
+    def __init__(self, backends: list[Backend], secret: str, max_streams: int = 1024):
         self.backends = backends
+        self._slots = threading.BoundedSemaphore(max_streams)
         self.closing = threading.Event()
         self._owner: dict[str, Backend] = {}  # request id -> backend, while in flight
         self._lock = threading.Lock()
-        self._ids = itertools.count()
+        self._metadata = ((AUTH_KEY, secret),)
+        self._limits = RequestLimits()
 
     def _pick(self, context) -> Backend:
         with self._lock:
@@ -60,15 +68,31 @@ class RouterService:
             return backend
 
     def Generate(self, request, context):
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams open")
+        try:
+            yield from self._forward(request, context)
+        finally:
+            self._slots.release()
+
+    def _forward(self, request, context):
+        try:
+            check_request_id(request.request_id or None, self._limits)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         backend = self._pick(context)
         if not request.request_id:  # ours, so that Abort can find the backend
-            request.request_id = f"rt-{next(self._ids)}"
+            request.request_id = new_request_id()
         rid = request.request_id
         with self._lock:
+            if rid in self._owner:
+                backend.in_flight -= 1
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"request_id: {rid!r} is already in use")
             self._owner[rid] = backend
         remaining = context.time_remaining()  # huge (or None) when the client set none
         timeout = remaining if remaining is not None and remaining < 1e6 else None
-        call = backend.stub.Generate(request, timeout=timeout)
+        call = backend.stub.Generate(request, timeout=timeout, metadata=self._metadata)
         context.add_callback(call.cancel)  # client cancel or deadline: the backend stops too
         try:
             yield from call
@@ -81,6 +105,10 @@ class RouterService:
                 self._owner.pop(rid, None)
 
     def Abort(self, request, context):
+        try:
+            check_request_id(request.request_id, self._limits, internal=True)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         with self._lock:
             backend = self._owner.get(request.request_id)
         if backend is None:
@@ -105,13 +133,13 @@ class RouterService:
 
 class Router:
     def __init__(self, decode_addresses: list[str], host: str = "127.0.0.1", port: int = 0,
-                 workers: int = 1040, health_every_s: float = 1.0):
+                 workers: int = 1040, health_every_s: float = 1.0, secret: str | None = None):
         if not decode_addresses:
             raise ValueError("--decode: give at least one decode process address")
         self.backends = [Backend(a) for a in decode_addresses]
-        self.service = RouterService(self.backends)
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers),
-                                maximum_concurrent_rpcs=workers)
+        # Streams get all but 16 threads: health, Info and Abort always find one.
+        self.service = RouterService(self.backends, secret or load_secret(), workers - 16)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
         self.grpc.add_generic_rpc_handlers((_handlers(self.service),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)

@@ -6,21 +6,29 @@ health checking and reflection services, so stock tools (grpcurl,
 grpc_health_probe) work. Prometheus metrics are served over HTTP on their own port.
 
 Nothing from the wire is unpickled or evaluated: requests are protobuf messages,
-checked field by field against the server's limits before the engine sees them.
+checked by the engine's one request validation (`validation.py`) before any work.
 Status codes: INVALID_ARGUMENT (bad request, field named), RESOURCE_EXHAUSTED
 (the engine holds router.max_requests already), UNAVAILABLE (a pool failed, or the
 server is shutting down), NOT_FOUND (abort of an unknown id); a client's deadline
 or cancel ends the request and frees its blocks.
+
+Resources per client are bounded: Generate streams hold at most router.max_requests
+handler threads (a semaphore; beyond it RESOURCE_EXHAUSTED), so health checks,
+Info and Abort always find a thread of their own; a stream whose client stops
+reading is cancelled once its tokens have waited `stall_timeout_s`, and its blocks
+are freed.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import queue
 import signal
 import sys
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass
 
@@ -28,89 +36,114 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from jaxdisagg.mesh.control import authorized
 from jaxdisagg.model.sampling import SamplingParams
 from jaxdisagg.serve.engine import Engine, QueueFull, Result, UnknownRequestError
 from jaxdisagg.serve.metrics import PrometheusExporter
 from jaxdisagg.serve.proto import jaxdisagg_pb2 as pb
 from jaxdisagg.serve.proto import jaxdisagg_pb2_grpc as pb_grpc
+from jaxdisagg.serve.validation import check_request_id
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ServerLimits:
-    max_prompt_tokens: int | None = None  # None: the deployment's context
-    max_new_tokens: int = 4096
+    """What the server bounds beyond each request (requests: `RequestLimits`)."""
+
     max_message_bytes: int = 4 * 2**20
-    max_stop_strings: int = 16
+    stall_timeout_s: float = 30.0  # a client that reads nothing for this long is cut off
+
+
+def sampling_params(s: pb.Sampling) -> tuple[SamplingParams, list[int] | None]:
+    """The proto's sampling fields as SamplingParams (errors name `sampling.FIELD`)."""
+    kwargs = {name: getattr(s, name) for name in
+              ("temperature", "top_k", "top_p", "seed", "max_tokens") if s.HasField(name)}
+    params = SamplingParams(**kwargs, logprobs=s.logprobs, stop=tuple(s.stop))
+    stop_ids = list(s.stop_token_ids)
+    return params, (stop_ids if s.ignore_eos or stop_ids else None)
+
+
+def _wire_message(e: Exception) -> str:
+    return str(e).replace("SamplingParams.", "sampling.")
+
+
+@dataclass(eq=False)
+class _Stream:
+    context: grpc.ServicerContext
+    events: queue.Queue
+    sent_at: float = dataclasses.field(default_factory=time.monotonic)
+    stalled: bool = False
 
 
 class GeneratorService(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine, limits: ServerLimits):
-        self.engine, self.limits = engine, limits
+    def __init__(self, engine: Engine, limits: ServerLimits, secret: str | None = None):
+        self.engine, self.limits, self.secret = engine, limits, secret
         self.closing = threading.Event()
+        self._slots = threading.BoundedSemaphore(engine.router.max_requests)
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------ parsing
+    # ------------------------------------------------------------ RPCs
 
-    def _sampling(self, s: pb.Sampling) -> tuple[SamplingParams, list[int] | None]:
-        lim = self.limits
-        kwargs = {}
-        for name in ("temperature", "top_k", "top_p", "seed", "max_tokens"):
-            if s.HasField(name):
-                kwargs[name] = getattr(s, name)
-        if kwargs.get("max_tokens", 1) > lim.max_new_tokens:
-            raise ValueError(f"sampling.max_tokens: {kwargs['max_tokens']} exceeds the server "
-                             f"limit of {lim.max_new_tokens}")
-        if not 0 <= kwargs.get("seed", 0) < 2**32:
-            raise ValueError(f"sampling.seed: must be in [0, 2^32), got {kwargs['seed']}")
-        if len(s.stop) > lim.max_stop_strings:
-            raise ValueError(f"sampling.stop: at most {lim.max_stop_strings} stop strings")
-        try:
-            params = SamplingParams(**kwargs, logprobs=s.logprobs, stop=tuple(s.stop))
-        except ValueError as e:
-            raise ValueError(str(e).replace("SamplingParams.", "sampling.")) from None
-        stop_ids = list(s.stop_token_ids)
-        if s.ignore_eos or stop_ids:
-            return params, stop_ids
-        return params, None
-
-    def _prompt(self, request: pb.GenerateRequest) -> list[int]:
+    def _submit(self, request, context, events) -> tuple[str, int, SamplingParams]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise ValueError("prompt: set text or token_ids")
-        ids = self.engine.encode(request.text if kind == "text" else list(request.token_ids.ids))
-        cap = self.limits.max_prompt_tokens
-        if cap is not None and len(ids) > cap:
-            raise ValueError(f"prompt: {len(ids)} tokens exceed the server limit of {cap}")
-        return ids
-
-    # ------------------------------------------------------------ RPCs
+        prompt = self.engine.encode(request.text if kind == "text"
+                                    else request.token_ids.ids)
+        params, stop_ids = sampling_params(request.sampling)
+        # The router passes ids the server namespace made; only it holds the secret.
+        internal = self.secret is not None and authorized(context, self.secret)
+        rid = self.engine.submit(prompt, params, request_id=request.request_id or None,
+                                 stop_token_ids=stop_ids, _sink=events.put,
+                                 _internal=internal)
+        return rid, len(prompt), params
 
     def Generate(self, request, context):
         if self.closing.is_set():
             context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self._slots.acquire(blocking=False):
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                          f"{self.engine.router.max_requests} streams open "
+                          "(router.max_requests)")
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self._slots.release()
+
+    def _generate(self, request, context):
         events: queue.Queue = queue.Queue()
         try:
-            prompt = self._prompt(request)
-            params, stop_ids = self._sampling(request.sampling)
-            rid = self.engine.submit(prompt, params, request_id=request.request_id or None,
-                                     stop_token_ids=stop_ids, _sink=events.put)
+            rid, n_prompt, params = self._submit(request, context, events)
         except QueueFull as e:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
         except ValueError as e:  # UnknownRequestError is one too, but submit never raises it
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _wire_message(e))
         except RuntimeError as e:  # the engine is closed
             context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        stream = _Stream(context, events)
+        with self._lock:
+            self._streams[rid] = stream
         done = threading.Event()
         # Deadline, client cancel or disconnect: the request ends and frees its blocks.
         context.add_callback(lambda: None if done.is_set() else self._cancel(rid))
-        first = True
+        try:
+            yield from self._responses(rid, n_prompt, params, stream, done)
+        finally:
+            with self._lock:
+                self._streams.pop(rid, None)
+            if not done.is_set():
+                self._cancel(rid)
+
+    def _responses(self, rid, n_prompt, params, stream: _Stream, done: threading.Event):
+        context, first = stream.context, True
         while True:
             try:
-                event = events.get(timeout=0.25)
+                event = stream.events.get(timeout=0.25)
             except queue.Empty:
                 if not context.is_active():
-                    self._cancel(rid)
                     return
                 continue
             if event[0] == "done":
@@ -125,8 +158,27 @@ class GeneratorService(pb_grpc.GeneratorServicer):
             yield pb.GenerateResponse(
                 request_id=rid, token_ids=[] if token is None else [token], text=text,
                 logprobs=[logprob] if params.logprobs and logprob is not None else [],
-                prompt_tokens=len(prompt) if first else 0)
+                prompt_tokens=n_prompt if first else 0)
+            stream.sent_at = time.monotonic()  # the client took it (flow control)
             first = False
+
+    def cut_stalled(self) -> int:
+        """Cancels streams whose client has read nothing for stall_timeout_s while
+        tokens wait: the RPC ends (its handler thread returns) and the request's
+        blocks are freed. Called periodically by the server."""
+        now, cut = time.monotonic(), 0
+        with self._lock:
+            streams = list(self._streams.items())
+        for rid, st in streams:
+            if (not st.stalled and not st.events.empty()
+                    and now - st.sent_at > self.limits.stall_timeout_s):
+                st.stalled = True
+                log.warning("%s: client read nothing for %.0f s; cancelling", rid,
+                            now - st.sent_at)
+                self._cancel(rid)
+                st.context.cancel()
+                cut += 1
+        return cut
 
     def _cancel(self, rid: str) -> None:
         try:
@@ -136,9 +188,12 @@ class GeneratorService(pb_grpc.GeneratorServicer):
 
     def Abort(self, request, context):
         try:
+            check_request_id(request.request_id, self.engine.limits, internal=True)
             self.engine.cancel(request.request_id)
         except UnknownRequestError as e:
             context.abort(grpc.StatusCode.NOT_FOUND, str(e))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         return pb.AbortResponse()
 
     def Info(self, request, context):
@@ -203,17 +258,16 @@ class Server:
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 0,
                  limits: ServerLimits | None = None, metrics_port: int | None = None,
-                 workers: int | None = None):
+                 secret: str | None = None):
         self.engine = engine
-        # A stream holds a thread while it lasts: room for every request the engine
-        # admits (router.max_requests), plus some for Abort, Info and health checks.
-        workers = workers or engine.router.max_requests + 16
+        # A stream holds a thread while it lasts; streams are capped at
+        # router.max_requests, so the rest are always free for Abort, Info and health.
+        workers = engine.router.max_requests + 16
         self.limits = limits or ServerLimits()
         opts = [("grpc.max_receive_message_length", self.limits.max_message_bytes),
                 ("grpc.max_send_message_length", self.limits.max_message_bytes)]
-        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts,
-                                maximum_concurrent_rpcs=workers)
-        self.service = GeneratorService(engine, self.limits)
+        self.grpc = grpc.server(futures.ThreadPoolExecutor(max_workers=workers), options=opts)
+        self.service = GeneratorService(engine, self.limits, secret)
         self.grpc.add_generic_rpc_handlers((_handlers(self.service),))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -226,19 +280,39 @@ class Server:
         self.exporter = PrometheusExporter(engine)
         self.metrics_port = (self.exporter.serve(host, metrics_port)
                              if metrics_port is not None else None)
+        self._stop = threading.Event()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="server-watch")
+
+    def _set_health(self, serving: bool) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ("", SERVICE):
+            self.health.set(name, status)
+
+    def _watch(self) -> None:
+        """Health follows the pools (NOT_SERVING while a needed pool is unreachable);
+        streams whose clients stopped reading are cut off."""
+        serving = True
+        while not self._stop.wait(1.0):
+            now = self.engine.healthy() and not self.service.closing.is_set()
+            if now != serving:
+                log.warning("health: %s", "SERVING" if now else "NOT_SERVING")
+                self._set_health(now)
+                serving = now
+            self.service.cut_stalled()
 
     def start(self) -> Server:
         self.grpc.start()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._set_health(True)
+        self._watcher.start()
         return self
 
     def stop(self, grace: float = 30.0) -> None:
         """Drain: refuse new requests, let those in flight finish (up to `grace`), then
         close the engine (cancelling whatever is left) and the servers."""
         self.service.closing.set()
-        for name in ("", SERVICE):
-            self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self._stop.set()
+        self._set_health(False)
         self.grpc.stop(grace).wait()
         self.engine.close()
         self.exporter.close()
@@ -252,8 +326,16 @@ def serve_forever(server: Server, out=sys.stdout) -> None:
     server.start()
     metrics = f" metrics http://{server.host}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
-    print(f"READY {server.host}:{server.port}{metrics}", file=out, flush=True)
+    say(f"READY {server.host}:{server.port}{metrics}", out)
     stop.wait()
-    print("draining", file=out, flush=True)
+    say("draining", out)
     server.stop()
-    print("stopped", file=out, flush=True)
+    say("stopped", out)
+
+
+def say(line: str, out=None) -> None:
+    """A status line for whoever started us; a launcher that died is no error."""
+    try:
+        print(line, file=out or sys.stdout, flush=True)
+    except (BrokenPipeError, ValueError):
+        pass

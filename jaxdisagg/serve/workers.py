@@ -89,9 +89,9 @@ class _Worker:
         """Takes a fresh snapshot of the gauges (the worker's own thread only)."""
         self._snapshot = MappingProxyType(self._gauges())
 
-    def gauges(self):
-        """The gauges as of this worker's last step: safe from any thread."""
-        return self._snapshot
+    def gauges(self) -> dict:
+        """The gauges as of this worker's last step (a copy): safe from any thread."""
+        return dict(self._snapshot)
 
     def _fail_job(self, job: PrefillJob, error: Exception, tokens=()) -> None:
         log.warning("%s: failed in %s: %s", job.request_id, self.name, error)
