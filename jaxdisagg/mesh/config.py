@@ -167,6 +167,12 @@ def parse_config(data: dict) -> DeploymentConfig:
         if isinstance(pool.devices, int) and pool.devices <= 0:
             raise ConfigError(f"{name}.devices: a device count must be positive, "
                               f"got {pool.devices}")
+        if pool.num_blocks < pool.max_pages_per_request:
+            # A request as long as the block table allows would never fit: it would
+            # wait for blocks forever, or preempt itself and recompute forever.
+            raise ConfigError(f"{name}.num_blocks: {pool.num_blocks} blocks cannot hold one "
+                              f"request of max_pages_per_request ({pool.max_pages_per_request})"
+                              " pages; raise num_blocks or lower max_pages_per_request")
     for name in ("prefill", "decode", "colocated"):
         if name not in needed and getattr(cfg, name) is not None:
             raise ConfigError(f"{name}: not used in mode {cfg.mode!r}; remove it or set "
@@ -209,7 +215,7 @@ class PoolPlacement:
 
 
 def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
-                num_kv_heads: int) -> dict[str, PoolPlacement]:
+                num_kv_heads: int, ffn: int | None = None) -> dict[str, PoolPlacement]:
     """Resolves device lists and checks them against the machine and the model.
 
     With cross-process transfer each pool runs in its own process and its device
@@ -258,6 +264,9 @@ def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
         if num_kv_heads > pool.tp and num_kv_heads % pool.tp:
             raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
                               f"{num_kv_heads} KV heads")
+        if ffn is not None and ffn % pool.tp:  # the MLP's columns shard over tp
+            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
+                              f"intermediate_size {ffn}")
         instances = tuple(tuple(devices[i * pool.tp:(i + 1) * pool.tp])
                           for i in range(pool.instances))
         placements[name] = PoolPlacement(name, pool.tp, instances)

@@ -53,7 +53,7 @@ class Deployment:
         model, tokenizer = load_model(cfg.model.name, jnp.dtype(cfg.model.dtype),
                                       seed=cfg.model.seed)
         placements = place_pools(cfg, len(devices), model.config.num_heads,
-                                 model.config.num_kv_heads)
+                                 model.config.num_kv_heads, model.config.intermediate_size)
         group = cfg.transfer.layer_group_size if cfg.transfer.layer_streaming else None
         pools = {
             name: [PoolInstance(name, model, inst, cfg.pools()[name],

@@ -56,9 +56,20 @@ def config_from_hf(hf: dict, source: str = "config.json") -> LlamaConfig:
     theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type == "llama3":
-        scaling = RopeScaling(float(rope["factor"]), float(rope["low_freq_factor"]),
-                              float(rope["high_freq_factor"]),
-                              int(rope["original_max_position_embeddings"]))
+        def key(name, fallback=None):
+            value = rope.get(name, fallback)
+            if value is None:
+                raise CheckpointError(f"{source}: llama3 rope scaling needs {name!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise CheckpointError(f"{source}: rope scaling {name!r} must be a positive "
+                                      f"number, got {value!r}")
+            return value
+
+        # As transformers does: the original context defaults to max_position_embeddings.
+        scaling = RopeScaling(float(key("factor")), float(key("low_freq_factor")),
+                              float(key("high_freq_factor")),
+                              int(key("original_max_position_embeddings",
+                                      hf.get("max_position_embeddings"))))
     elif rope_type == "default":
         scaling = None
     else:
@@ -242,20 +253,20 @@ def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32,
         if mapped is None:
             raise CheckpointError(f"{f}: unexpected tensor {name!r} (no Llama parameter "
                                   "has this name)")
-        path, transform, _ = mapped
+        path, transform, to_hf = mapped
         try:
             target = _get_path(expected, path)
         except (KeyError, IndexError, TypeError):
             raise CheckpointError(f"{f}: unexpected tensor {name!r} (the config has "
                                   f"{cfg.num_layers} layers)") from None
-        try:
-            value = transform(tensor, cfg)
-        except ValueError:
-            value = None
-        if value is None or value.shape != target.shape:
+        # Checked in the file's own layout, before any reshape: a transposed k_proj
+        # has the right element count and would otherwise load as garbage.
+        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(target.shape, np.float32)).shape
+        if tuple(tensor.shape) != tuple(hf_shape):
             raise CheckpointError(
-                f"{f}: tensor {name!r} has shape {list(tensor.shape)}, expected the HF "
-                f"layout of {list(target.shape)} from config.json")
+                f"{f}: tensor {name!r} has shape {list(tensor.shape)}, expected "
+                f"{list(hf_shape)} (the Hugging Face layout for {cfg_file.name})")
+        value = transform(tensor, cfg)
         _set_path(values, path, np.asarray(value).astype(dtype))
         filled[path] = (name, f)
     missing = [p for p, _ in _leaves_with_paths(expected) if p not in filled]
