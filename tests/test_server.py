@@ -8,6 +8,7 @@ every block; SIGTERM drains and exits.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -52,7 +53,8 @@ class ServerProcess:
 @pytest.fixture(scope="module")
 def server():
     srv = ServerProcess("--config", str(ROOT / "configs/cpu-1p1d.yaml"), "--max-requests", "6",
-                        "--max-prompt-tokens", "900", "--max-new-tokens", "300")
+                        "--max-prompt-tokens", "900", "--max-new-tokens", "300",
+                        "--stall-timeout", "2")
     yield srv
     if srv.proc.poll() is None:
         srv.proc.kill()
@@ -165,6 +167,16 @@ BAD = [
      "sampling.stop"),
     ("stop id past vocab", request("a", stop_token_ids=[5000]), StatusCode.INVALID_ARGUMENT,
      "stop_token_ids"),
+    ("id too long", request("a", request_id="x" * 129), StatusCode.INVALID_ARGUMENT,
+     "request_id: must be 1 to 128 characters"),
+    ("id in the server namespace", request("a", request_id="jd-0123"),
+     StatusCode.INVALID_ARGUMENT, "request_id: ids starting with 'jd-'"),
+    ("id with odd characters", request("a", request_id="a\nb"), StatusCode.INVALID_ARGUMENT,
+     "request_id: only letters"),
+    ("stop strings too big", request("a", stop=["x" * 3000, "y" * 3000]),
+     StatusCode.INVALID_ARGUMENT, "sampling.stop: 6000 bytes"),
+    ("text over the byte cap", request("\u00e9" * 200_000), StatusCode.INVALID_ARGUMENT,
+     "prompt: 400000 bytes exceed the limit of 262144"),
 ]
 
 
@@ -189,6 +201,161 @@ def test_garbage_bytes_unknown_abort_and_server_keeps_serving(client):
     assert e.value.code() == StatusCode.NOT_FOUND
     assert client.generate([256, 1], max_tokens=2)["finish_reason"]
     wait_drained(client)
+
+
+def test_wide_seeds_and_huge_top_k_serve_beside_their_neighbours(server, client, reference):
+    """seed in [2^31, 2^63) and top_k >= 2^31 used to overflow inside the prefill step and
+    fail every request pending there (UNAVAILABLE) instead of being served."""
+    gen, _ = reference
+    neighbour = [256] + list(range(60))
+    got = {}
+
+    def run(key, **kw):
+        with Client(server.target) as c:
+            got[key] = c.generate(neighbour if key == "n" else [256, 7, 8], max_tokens=5,
+                                  **kw)
+
+    threads = [threading.Thread(target=run, args=("n",)),
+               threading.Thread(target=run, args=("seed",),
+                                kwargs=dict(temperature=0.9, seed=2**31 + 3)),
+               threading.Thread(target=run, args=("seed63",),
+                                kwargs=dict(temperature=0.9, seed=2**63 - 1)),
+               threading.Thread(target=run, args=("top_k",),
+                                kwargs=dict(temperature=0.9, top_k=2**31, seed=1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got["n"]["token_ids"] == gen.generate([neighbour], SamplingParams(max_tokens=5))[0]
+    want = gen.generate([[256, 7, 8]], SamplingParams(temperature=0.9, seed=2**31 + 3,
+                                                      max_tokens=5))[0]
+    assert got["seed"]["token_ids"] == want
+    assert all(len(g["token_ids"]) for g in got.values())
+    wait_drained(client)
+
+
+def test_abort_checks_the_id_and_echoes_nothing_large(client):
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("x" * 2**20)
+    assert e.value.code() == StatusCode.INVALID_ARGUMENT
+    assert len(e.value.details()) < 200
+    with pytest.raises(grpc.RpcError) as e:
+        client.abort("jd-" + "0" * 32)  # a well-formed id nobody holds
+    assert e.value.code() == StatusCode.NOT_FOUND
+
+
+def test_server_ids_are_unguessable(client):
+    ids = {client.generate([256, 1], max_tokens=1)["request_id"] for _ in range(5)}
+    assert len(ids) == 5 and all(re.fullmatch(r"jd-[0-9a-f]{32}", i) for i in ids)
+
+
+def test_health_and_info_answer_while_every_stream_is_taken(client):
+    """Streams are capped below the thread pool: health and Info never wait behind them
+    (a single non-reading client once made health checks fail for everyone)."""
+    calls = [client.stream([256, i], max_tokens=300, ignore_eos=True) for i in range(6)]
+    for c in calls:
+        next(c)
+    with Client(client.channel._channel.target().decode()) as other:
+        t0 = time.monotonic()
+        assert other.health() == "SERVING"
+        assert other.info().model == "tiny"
+        assert time.monotonic() - t0 < 5
+        with pytest.raises(grpc.RpcError) as e:
+            other.generate([256, 1], max_tokens=2)
+        assert e.value.code() == StatusCode.RESOURCE_EXHAUSTED
+    for c in calls:
+        c.cancel()
+    wait_drained(client)
+
+
+def test_a_client_that_stops_reading_is_cut_off(server, client):
+    """A raw HTTP/2 client that grants a 64-byte window and never reads more: the
+    server's sends block once the window is full. After --stall-timeout (2 s here)
+    the stream is cancelled and its blocks come back, though the client never reads."""
+    import socket
+
+    import h2.config
+    import h2.connection
+    import h2.events
+    import h2.settings
+
+    host, port = server.target.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: 64})
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", host),
+                            (":path", "/jaxdisagg.v1.Generator/Generate"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+    body = request([256, 4, 5], max_tokens=300, ignore_eos=True,
+                   request_id="slow-reader").SerializeToString()
+    conn.send_data(sid, b"\x00" + len(body).to_bytes(4, "big") + body, end_stream=True)
+    sock.sendall(conn.data_to_send())
+    try:
+        reset, deadline, received, trailers = None, time.monotonic() + 60, 0, None
+        while reset is None and time.monotonic() < deadline:
+            data = sock.recv(65536)  # frames are parsed; no WINDOW_UPDATE is ever sent
+            if not data:
+                break
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    received += len(event.data)
+                if isinstance(event, h2.events.TrailersReceived):
+                    trailers = dict(event.headers)
+                if isinstance(event, (h2.events.StreamReset, h2.events.StreamEnded)) \
+                        and event.stream_id == sid:
+                    reset = event
+            sock.sendall(conn.data_to_send())  # settings acks only
+        assert received <= 64  # the window held: it never read more
+        # Cut off: the stream ends CANCELLED (or is reset), long before 300 tokens.
+        assert isinstance(reset, h2.events.StreamReset) or \
+            (trailers or {}).get(b"grpc-status") == b"1", (reset, received, trailers)
+        m = wait_drained(client)
+        assert m["requests"]["cancelled"] >= 1
+    finally:
+        sock.close()
+
+
+def test_fuzz_the_wire(client, reference):
+    """Random requests: each gets OK or INVALID_ARGUMENT naming the field; afterwards the
+    server is healthy, holds nothing, and a known request gives the same tokens."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    fields = re.compile(r"(sampling\.\w+|prompt|request_id|stop_token_ids|request)\b")
+
+    @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(text=st.one_of(st.none(), st.text(max_size=30)),
+           ids=st.lists(st.integers(-2**63, 2**63 - 1), max_size=5),
+           max_tokens=st.one_of(st.none(), st.integers(-2**31, 4)),
+           temperature=st.one_of(st.none(), st.floats(width=32)),
+           top_k=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+           top_p=st.one_of(st.none(), st.floats(width=32)),
+           seed=st.one_of(st.none(), st.integers(-2**63, 2**63 - 1)),
+           stop=st.lists(st.text(max_size=5), max_size=3),
+           stop_ids=st.lists(st.integers(-2**31, 2**31 - 1), max_size=3),
+           request_id=st.one_of(st.just(""), st.text(max_size=20)))
+    def one(text, ids, max_tokens, temperature, top_k, top_p, seed, stop, stop_ids,
+            request_id):
+        req = request(text if text is not None else ids, max_tokens=max_tokens,
+                      temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                      stop=stop, stop_token_ids=stop_ids, request_id=request_id)
+        try:
+            responses = list(client.stub.Generate(req, timeout=60))
+        except grpc.RpcError as e:
+            assert e.code() == StatusCode.INVALID_ARGUMENT, (e.code(), e.details())
+            assert fields.match(e.details()), e.details()
+            return
+        assert responses[-1].finish_reason in ("stop", "length")
+
+    one()
+    assert client.health() == "SERVING"
+    wait_drained(client)
+    gen, _ = reference
+    prompt = [256] + list(range(40))
+    assert client.generate(prompt, max_tokens=5)["token_ids"] == \
+        gen.generate([prompt], SamplingParams(max_tokens=5))[0]
 
 
 def test_abort_ends_the_stream_and_frees_blocks(client):
