@@ -29,11 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "cpu-2proc.yaml"
 
 
-def start(*args) -> tuple[subprocess.Popen, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+def start(*args, env=None) -> tuple[subprocess.Popen, str]:
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", *map(str, args)],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            env={**env, "JAX_PLATFORMS": "cpu"})
+                            env={**base, "JAX_PLATFORMS": "cpu", **(env or {})})
     line = proc.stdout.readline()  # bounded: READY or the process exits
     assert line.startswith("READY"), f"{args[:3]} did not start: {line!r}"
     return proc, line
@@ -60,7 +60,7 @@ def drained(client, timeout=30) -> dict:
 
 
 @contextlib.contextmanager
-def roles(config=CONFIG, prefills=1, control_port=None):
+def roles(config=CONFIG, prefills=1, control_port=None, env=None):
     """Prefill process(es) and a decode process fronting them, killed at the end.
 
     Yields a namespace: procs (every process started, tests append restarts),
@@ -71,11 +71,12 @@ def roles(config=CONFIG, prefills=1, control_port=None):
         addresses = []
         for _ in range(prefills):
             port = ["--control-port", control_port] if control_port else []
-            proc, line = start("serve", "--config", config, "--role", "prefill", *port)
+            proc, line = start("serve", "--config", config, "--role", "prefill", *port,
+                               env=env)
             procs.append(proc)
             addresses.append(line.split()[1])
         decode, dline = start("serve", "--config", config, "--role", "decode", "--prefill",
-                              ",".join(addresses), "--port", 0)
+                              ",".join(addresses), "--port", 0, env=env)
         procs.append(decode)
         with Client(dline.split()[1]) as client:
             yield SimpleNamespace(procs=procs, prefills=procs[:-1], addresses=addresses,
@@ -363,3 +364,148 @@ def test_prefill_process_dies_while_decode_pulls(tmp_path, reference, monkeypatc
         for p in (decode, prefill):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+# ---------------------------------------------------------------- isolation
+
+
+def test_chaos_across_processes_one_failing_request_fails_alone(reference):
+    """Each failpoint armed for one request, in whichever process runs it, while other
+    requests stream beside it: every victim fails with UNAVAILABLE naming the fault,
+    every other request gets the reference tokens, and neither pool holds anything."""
+    from jaxdisagg.serve import faults
+
+    armed = {point: f"v{i}-" for i, point in enumerate(faults.POINTS)}
+    env = {"JAXDISAGG_FAILPOINTS": ",".join(f"{p}={pre}" for p, pre in armed.items())}
+    rng = random.Random(5)
+    with roles(env=env) as r:
+        jobs = [(f"{pre}victim", [256] + [rng.randrange(256) for _ in range(40 + 7 * i)])
+                for i, pre in enumerate(armed.values())]
+        jobs += [(f"ok-{i}", [256] + [rng.randrange(256) for _ in range(rng.randrange(20, 150))])
+                 for i in range(8)]
+        rng.shuffle(jobs)
+        got = {}
+
+        def run(rid, prompt):
+            with Client(r.decode_address) as c:
+                try:
+                    got[rid] = c.generate(prompt, max_tokens=4, ignore_eos=True,
+                                          request_id=rid, timeout=120)["token_ids"]
+                except grpc.RpcError as e:
+                    got[rid] = e
+
+        import threading
+
+        threads = [threading.Thread(target=run, args=job) for job in jobs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        for rid, prompt in jobs:
+            if rid.startswith("ok"):
+                want = reference.generate([prompt], SamplingParams(max_tokens=4),
+                                          stop_token_ids=[])[0]
+                assert got[rid] == want, (rid, got[rid])
+            else:
+                assert isinstance(got[rid], grpc.RpcError), (rid, got[rid])
+                assert got[rid].code() == grpc.StatusCode.UNAVAILABLE
+                assert "failpoint" in got[rid].details(), got[rid].details()
+        drained(r.client)
+
+
+def test_internal_channels_refuse_callers_without_the_secret(reference):
+    """Another local process that finds the prefill process's control port (or the KV
+    sender's release port) gets UNAUTHENTICATED for every method, and cannot cancel
+    anyone's request; offer ids are random, so none can be guessed for a pull."""
+    with roles() as r:
+        address = r.addresses[0]
+        intruders = [ControlClient(address, secret="not-the-secret-0123456789")]
+        raw = grpc.insecure_channel(address)  # no credentials at all
+        prompt = [256] + list(range(120))
+        stream = r.client.stream(prompt, max_tokens=20, ignore_eos=True, request_id="victim")
+        next(stream)
+        for method, payload in [("stats", {}), ("cancel", {"request_id": "victim"}),
+                                ("prefill", {"request_id": "x", "prompt": [1], "params": {},
+                                             "stop_ids": []})]:
+            for intruder in intruders:
+                with pytest.raises(grpc.RpcError) as e:
+                    intruder.call(method, payload)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert e.value.details() == "unauthenticated"  # nothing else is learned
+            call = raw.unary_unary(f"/jaxdisagg.Control/{method}",
+                                   request_serializer=lambda d: json.dumps(d).encode(),
+                                   response_deserializer=json.loads)
+            with pytest.raises(grpc.RpcError) as e:
+                call(payload, timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        tokens = [t for resp in stream for t in resp.token_ids]
+        assert tokens == reference.generate([prompt], SamplingParams(max_tokens=20),
+                                            stop_token_ids=[])[0][1:]  # not cancelled
+        # With the secret: offers come back, their ids far apart (random, not a counter).
+        control = ControlClient(address)
+        uuids, release = [], None
+        for i in range(3):
+            reply = control.call("prefill", {"request_id": f"probe-{i}", "prompt": prompt,
+                                             "params": {"max_tokens": 4}, "stop_ids": []},
+                                 timeout=60)
+            uuids += [o["uuid"] for o in reply["offers"]]
+            release = reply["offers"][0]["control_address"]
+        assert len(set(uuids)) == len(uuids)
+        assert min(abs(a - b) for a in uuids for b in uuids if a != b) > 2**20
+        with pytest.raises(grpc.RpcError) as e:
+            intruders[0].__class__(release, secret="not-the-secret-0123456789").call(
+                "release", {"uuid": uuids[0]})
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        for u in uuids:
+            ControlClient(release).call("release", {"uuid": u})
+        control.close()
+        raw.close()
+        drained(r.client)
+
+
+def test_a_pool_process_without_a_secret_refuses_to_start():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAXDISAGG_SECRET", "JAXDISAGG_SECRET_FILE")}
+    out = subprocess.run([sys.executable, "-m", "jaxdisagg.cli", "serve", "--config",
+                          str(CONFIG), "--role", "prefill"], capture_output=True, text=True,
+                         env={**env, "JAX_PLATFORMS": "cpu"}, timeout=120)
+    assert out.returncode == 2 and "JAXDISAGG_SECRET" in out.stderr, out.stderr
+
+
+def test_health_is_not_serving_while_the_prefill_process_is_stopped():
+    with roles() as r:
+        client = r.client
+        assert client.health() == "SERVING"
+        r.prefills[0].send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            while client.health() == "SERVING":
+                assert time.monotonic() - t0 < 10, "health did not follow the prefill pool"
+                time.sleep(0.2)
+        finally:
+            r.prefills[0].send_signal(signal.SIGCONT)
+        t0 = time.monotonic()
+        while client.health() != "SERVING":
+            assert time.monotonic() - t0 < 10, "health did not come back"
+            time.sleep(0.2)
+        assert client.generate([256, 1, 2], max_tokens=2)["finish_reason"] == "length"
+
+
+def test_launch_exits_non_zero_when_a_pool_process_dies():
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "launch", "--config",
+                             str(CONFIG), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**env, "JAX_PLATFORMS": "cpu"})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("READY"), line
+        pid = int(line.split("prefill pid ")[1].split()[0].rstrip(",):"))
+        os.kill(pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 1
+        assert f"the prefill process (pid {pid}) exited unexpectedly" in err
+        assert "BrokenPipeError" not in err and "Traceback" not in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
