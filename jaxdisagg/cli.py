@@ -20,16 +20,18 @@ def _printable(text: str) -> str:
 def cmd_convert(args) -> int:
     from pathlib import Path
 
-    from jaxdisagg.model.weights import load_hf_checkpoint, save_orbax
+    from jaxdisagg.model.weights import CheckpointError, load_model, save_orbax
 
     src = Path(args.hf_dir)
-    model = load_hf_checkpoint(src, args.dtype, progress=True)
-    tok = src / "tokenizer.json"
-    out = save_orbax(model, args.out_dir, tokenizer_json=tok if tok.exists() else None,
-                     progress=True)
+    if not src.exists():
+        raise CheckpointError(f"{src}: no such checkpoint file or directory")
+    model, tok = load_model(str(src), args.dtype, progress=True)
+    out = save_orbax(model, args.out_dir, tokenizer=tok, progress=True)
     cfg = model.config
+    has_tok = tok is not None and hasattr(tok, "to_files")
     print(f"wrote {out}: {cfg.num_params() / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
-          f"{args.dtype}{', with tokenizer.json' if tok.exists() else ''}")
+          f"{args.dtype}{', with its tokenizer' if has_tok else ''}"
+          f"{' and chat template' if has_tok and tok.chat_template else ''}")
     return 0
 
 
@@ -402,8 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="logging threshold (to stderr; request ids in every message)")
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face Llama checkpoint to Orbax")
-    c.add_argument("hf_dir")
+    c = sub.add_parser("convert", help="convert a Hugging Face directory or a GGUF file to "
+                                       "an Orbax checkpoint")
+    c.add_argument("hf_dir", metavar="SOURCE", help="a Hugging Face Llama directory or a "
+                                                    ".gguf file")
     c.add_argument("out_dir")
     c.add_argument("--dtype", choices=DTYPES, default="float32")
     c.set_defaults(fn=cmd_convert)

@@ -87,7 +87,8 @@ PLACE_ERRORS = [
      r"decode\.devices: indices \[8, 9\] are beyond the 8 devices"),
     (with_("prefill.tp", 3), r"prefill\.devices: 4 devices given, but tp \(3\) x instances"),
     (base() | {"decode": {"devices": [4, 5, 6], "tp": 3}},
-     r"decode\.tp: 3 does not divide the model's 4 query heads"),
+     r"decode\.tp: 3 does not divide the model's 4 query heads; valid tp values for this "
+     r"model: 1, 2, 4"),
     (with_("decode.devices", 7), r"decode\.devices: asks for 7 devices but only 4"),
     (with_("decode.devices", [4, 4]), r"decode\.devices: lists a device twice"),
 ]
@@ -103,8 +104,27 @@ def test_placement_errors_name_the_field(data, message):
 def test_tp_that_cannot_replicate_kv_heads_evenly():
     cfg = parse_config({"prefill": {"devices": [0, 1, 2, 3, 4, 5], "tp": 6},
                         "decode": {"devices": [6], "tp": 1}})
-    with pytest.raises(ConfigError, match=r"prefill\.tp: 6 exceeds the model's 4 KV heads"):
+    with pytest.raises(ConfigError, match=r"prefill\.tp: 6 cannot split or evenly replicate "
+                                          r"the model's 4 KV heads; valid tp values for "
+                                          r"this model: 1, 2, 4, 12"):
         place_pools(cfg, 8, num_heads=12, num_kv_heads=4)
+
+
+def test_smollm2_heads_allow_tp_1_and_3():
+    from jaxdisagg.mesh.config import valid_tp
+
+    assert valid_tp(9, 3, 1536) == [1, 3]
+    cfg = parse_config({"prefill": {"devices": [0, 1], "tp": 2}, "decode": {"devices": [2]}})
+    with pytest.raises(ConfigError, match=r"prefill\.tp: 2 does not divide the model's 9 "
+                                          r"query heads; valid tp values for this model: 1, 3"):
+        place_pools(cfg, 8, num_heads=9, num_kv_heads=3, ffn=1536)
+
+
+def test_ffn_not_divisible_by_tp_is_a_config_error():
+    cfg = parse_config({"prefill": {"devices": [0, 1], "tp": 2}, "decode": {"devices": [2]}})
+    with pytest.raises(ConfigError, match=r"prefill\.tp: 2 does not divide the model's "
+                                          r"intermediate_size 1001"):
+        place_pools(cfg, 8, num_heads=4, num_kv_heads=2, ffn=1001)
 
 
 def test_device_counts_fill_free_devices_in_order():

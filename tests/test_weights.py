@@ -64,7 +64,7 @@ def test_safetensors_round_trip(tmp_path, preset):
 
 def test_orbax_round_trip_and_convert_equivalence(hf_dir, tmp_path):
     model = load_hf_checkpoint(hf_dir)
-    out = save_orbax(model, tmp_path / "orbax", tokenizer_json=hf_dir / "tokenizer.json")
+    out = save_orbax(model, tmp_path / "orbax", tokenizer=load_model(str(hf_dir))[1])
     back = load_orbax(out)
     assert back.config == model.config
     assert_same_params(model, back)
@@ -179,11 +179,13 @@ def test_bad_checkpoint_raises_clear_error(broken, case):
 def test_load_model_spec_errors(tmp_path):
     with pytest.raises(ValueError, match="unknown model preset 'nope'.*tiny"):
         load_model("nope")
-    with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory"):
         load_model(str(tmp_path / "missing") + "/")
+    with pytest.raises(CheckpointError, match="no such checkpoint file or directory"):
+        load_model("model.gguf")
     f = tmp_path / "file"
     f.write_text("x")
-    with pytest.raises(CheckpointError, match="must be a directory"):
+    with pytest.raises(CheckpointError, match="a directory .* or a .gguf file"):
         load_model(str(f))
     with pytest.raises(CheckpointError, match="jaxdisagg.json: cannot read"):
         load_orbax(tmp_path)

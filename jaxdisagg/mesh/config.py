@@ -214,6 +214,15 @@ class PoolPlacement:
         return tuple(d for inst in self.instances for d in inst)
 
 
+def valid_tp(num_heads: int, num_kv_heads: int, ffn: int | None = None) -> list[int]:
+    """Tensor-parallel degrees a model allows: each divides the query heads (and the
+    MLP's columns), and either divides the KV heads or is a multiple of them (KV heads
+    replicated evenly)."""
+    return [t for t in range(1, num_heads + 1)
+            if num_heads % t == 0 and (ffn is None or ffn % t == 0)
+            and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+
+
 def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
                 num_kv_heads: int, ffn: int | None = None) -> dict[str, PoolPlacement]:
     """Resolves device lists and checks them against the machine and the model.
@@ -253,20 +262,17 @@ def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
             raise ConfigError(f"{name}.devices: {len(devices)} devices given, but tp "
                               f"({pool.tp}) x instances ({pool.instances}) = {want}; "
                               "make them agree")
-        if num_heads % pool.tp:
-            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
-                              f"{num_heads} query heads; use a divisor of {num_heads}")
-        if pool.tp > num_kv_heads and pool.tp % num_kv_heads:
-            raise ConfigError(f"{name}.tp: {pool.tp} exceeds the model's {num_kv_heads} KV "
-                              f"heads and is not a multiple of it, so KV heads cannot be "
-                              "replicated evenly; use a divisor or a multiple of "
-                              f"{num_kv_heads}")
-        if num_kv_heads > pool.tp and num_kv_heads % pool.tp:
-            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
-                              f"{num_kv_heads} KV heads")
-        if ffn is not None and ffn % pool.tp:  # the MLP's columns shard over tp
-            raise ConfigError(f"{name}.tp: {pool.tp} does not divide the model's "
-                              f"intermediate_size {ffn}")
+        valid = valid_tp(num_heads, num_kv_heads, ffn)
+        if pool.tp not in valid:
+            if num_heads % pool.tp:
+                why = f"does not divide the model's {num_heads} query heads"
+            elif ffn is not None and ffn % pool.tp:
+                why = f"does not divide the model's intermediate_size {ffn}"
+            else:
+                why = (f"cannot split or evenly replicate the model's {num_kv_heads} KV "
+                       "heads")
+            raise ConfigError(f"{name}.tp: {pool.tp} {why}; valid tp values for this model: "
+                              f"{', '.join(map(str, valid))}")
         instances = tuple(tuple(devices[i * pool.tp:(i + 1) * pool.tp])
                           for i in range(pool.instances))
         placements[name] = PoolPlacement(name, pool.tp, instances)

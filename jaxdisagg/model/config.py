@@ -110,15 +110,27 @@ PRESETS: dict[str, LlamaConfig] = {
                                  original_max_position_embeddings=8192),
         rms_norm_eps=1e-5, tie_word_embeddings=True,
         bos_token_id=128000, eos_token_ids=(128001, 128008, 128009)),
+    # SmolLM2-135M-Instruct's shapes (9 query / 3 KV heads: tp in {1, 3}). With random
+    # weights here; `load_model("smollm2")` fetches the real ones.
+    "smollm2-135m": LlamaConfig(
+        name="smollm2-135m", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+        max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_ids=(2,), pad_token_id=2),
 }
 
 DEFAULT_PRESET = "tiny"
 
 
 def get_preset(name: str) -> LlamaConfig:
+    """A preset's shapes; a fetchable checkpoint's name gives its shapes too."""
+    from jaxdisagg.model.fetch import CATALOG
+
+    if name in CATALOG:
+        name = CATALOG[name].shapes
     try:
         return PRESETS[name]
     except KeyError:
         raise ValueError(
             f"unknown model preset {name!r}; known presets: {', '.join(PRESETS)} "
-            "(or pass a checkpoint directory)") from None
+            "(or pass a checkpoint directory or .gguf file)") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -234,15 +233,24 @@ def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32,
     except json.JSONDecodeError as e:
         raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
     cfg = config_from_hf(hf, str(cfg_file))
-    dtype = jnp.dtype(dtype)
+    where = _safetensors_files(ckpt)
+    return build_model(cfg, dtype, _iter_hf_tensors(where), total=len(where),
+                       progress=progress, source=ckpt, config_name=cfg_file.name)
 
+
+def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np.ndarray]],
+                total: int | None = None, progress: bool = False, source: object = "",
+                config_name: str = "config.json") -> Llama:
+    """A Llama from (HF tensor name, file, array in HF layout) triples, strictly: every
+    tensor must map to a parameter, every parameter must be filled, and each shape is
+    checked in the file's own layout before any reshape."""
+    dtype = jnp.dtype(dtype)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype)))
     expected = nnx.to_pure_dict(abstract)
     filled: dict[tuple, tuple[str, Path]] = {}
     values = jax.tree_util.tree_map(lambda _: None, expected)
-    where = _safetensors_files(ckpt)
     tied_head = None
-    for name, f, tensor in tqdm(_iter_hf_tensors(where), total=len(where), disable=not progress,
+    for name, f, tensor in tqdm(tensors, total=total, disable=not progress,
                                 desc="loading tensors", unit="tensor"):
         if _IGNORED.match(name):
             continue
@@ -265,19 +273,19 @@ def load_hf_checkpoint(ckpt_dir: str | Path, dtype=jnp.float32,
         if tuple(tensor.shape) != tuple(hf_shape):
             raise CheckpointError(
                 f"{f}: tensor {name!r} has shape {list(tensor.shape)}, expected "
-                f"{list(hf_shape)} (the Hugging Face layout for {cfg_file.name})")
+                f"{list(hf_shape)} (the Hugging Face layout for {config_name})")
         value = transform(tensor, cfg)
         _set_path(values, path, np.asarray(value).astype(dtype))
         filled[path] = (name, f)
     missing = [p for p, _ in _leaves_with_paths(expected) if p not in filled]
     if missing:
         names = [".".join(map(str, p)) for p in missing[:8]]
-        raise CheckpointError(f"{ckpt}: missing tensors for parameters {names}"
+        raise CheckpointError(f"{source}: missing tensors for parameters {names}"
                               f"{' ...' if len(missing) > 8 else ''}")
     if tied_head is not None:
         f, tensor = tied_head
         if not np.array_equal(tensor.astype(dtype), values["embed_tokens"]):
-            raise CheckpointError(f"{f}: unexpected tensor 'lm_head.weight': config.json says "
+            raise CheckpointError(f"{f}: unexpected tensor 'lm_head.weight': the config says "
                                   "tie_word_embeddings=true but it differs from the embedding")
     nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_map(jnp.asarray, values))
     return nnx.merge(graphdef, abstract)
@@ -328,7 +336,7 @@ def save_hf_checkpoint(model: Llama, out_dir: str | Path) -> Path:
 # ---------------------------------------------------------------- Orbax
 
 
-def save_orbax(model: Llama, out_dir: str | Path, tokenizer_json: Path | None = None,
+def save_orbax(model: Llama, out_dir: str | Path, tokenizer=None,
                progress: bool = False) -> Path:
     """Writes an Orbax checkpoint directory that `load_model` restores."""
     import orbax.checkpoint as ocp
@@ -342,8 +350,8 @@ def save_orbax(model: Llama, out_dir: str | Path, tokenizer_json: Path | None = 
             "config": dataclasses.asdict(model.config)}
     (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
     steps.update()
-    if tokenizer_json is not None:
-        shutil.copy(tokenizer_json, out / "tokenizer.json")
+    if tokenizer is not None and hasattr(tokenizer, "to_files"):  # not the byte tokenizer
+        tokenizer.to_files(out)
     steps.update()
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(out / "state", nnx.state(model))
@@ -403,18 +411,33 @@ def cast_model(model: Llama, dtype) -> Llama:
 
 def load_model(spec: str, dtype=jnp.float32, seed: int = 0,
                progress: bool = False) -> tuple[Llama, Tokenizer | None]:
-    """A preset name (random weights, byte tokenizer) or a HF or Orbax checkpoint directory.
+    """A preset name (random weights, byte tokenizer), a catalog name (`smollm2`:
+    fetched on first use, see `fetch.py`), a GGUF file, or a HF or Orbax checkpoint
+    directory.
 
-    The tokenizer is None for a checkpoint without tokenizer.json.
+    The tokenizer (with the checkpoint's chat template) is None for a checkpoint
+    without one.
     """
+    from jaxdisagg.model.fetch import CATALOG, fetch
+
     path = Path(spec)
+    if not path.exists() and spec in CATALOG:
+        path = fetch(spec)
     if not path.exists():
-        if "/" in spec or spec.startswith("."):
-            raise CheckpointError(f"{spec}: no such checkpoint directory")
+        if "/" in spec or spec.startswith(".") or spec.endswith(".gguf"):
+            raise CheckpointError(f"{spec}: no such checkpoint file or directory")
         cfg = get_preset(spec)
         return Llama(cfg, dtype=dtype, seed=seed), load_tokenizer(None, cfg)
+    if path.is_file() and path.suffix == ".gguf":
+        from jaxdisagg.model.gguf import load_gguf
+        from jaxdisagg.model.tokenizer import HFTokenizer
+
+        model, spec_tok = load_gguf(path, jnp.dtype(dtype), progress=progress)
+        tok = None if spec_tok is None else HFTokenizer.from_gguf(spec_tok, model.config)
+        return model, tok
     if not path.is_dir():
-        raise CheckpointError(f"{spec}: a checkpoint must be a directory")
+        raise CheckpointError(f"{spec}: a checkpoint is a directory (Hugging Face or Orbax) "
+                              "or a .gguf file")
     if (path / ORBAX_META).exists():
         model = load_orbax(path, dtype)
     else:
