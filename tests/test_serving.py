@@ -31,6 +31,8 @@ GPU_LAYOUTS = {"gpu-8-4p4d.yaml", "gpu-1-colocated.yaml"}
 # (and test_xproc.py::test_two_process_config through its roles) and checks the greedy
 # tokens against the reference generator.
 CROSS_PROCESS = {"cpu-2proc.yaml"}
+# The real model (SmolLM2-135M): tests/test_smollm2.py checks each against transformers.
+SMOLLM2 = {"cpu-smollm2.yaml", "cpu-smollm2-colocated.yaml", "cpu-smollm2-2proc.yaml"}
 
 
 def prompts(seed, lens):
@@ -87,7 +89,8 @@ def gpu_layout():
 
 def test_every_shipped_config_is_covered():
     shipped = {p.name for p in CONFIGS.glob("*.yaml")}
-    assert shipped == ON_CPU | GPU_LAYOUTS | CROSS_PROCESS, "a new config needs a parity test"
+    assert shipped == ON_CPU | GPU_LAYOUTS | CROSS_PROCESS | SMOLLM2, \
+        "a new config needs a parity test"
 
 
 @pytest.mark.parametrize("name", sorted(ON_CPU | GPU_LAYOUTS))
