@@ -389,11 +389,36 @@ def _model_config(spec: str):
 
 
 def cmd_demo(args) -> int:
+    import dataclasses
+
+    from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.model.fetch import FetchError, fetch
     from jaxdisagg.serve.demo import run_demo
 
-    colocated = None if args.no_compare else args.colocated_config
-    run_demo(args.config, colocated, args.requests, args.max_tokens, args.max_prompt,
-             args.seed, sys.stdout)
+    config, colocated, model = args.config, args.colocated_config, args.model
+    if config is None:
+        if model == "auto":  # the real model when it can be had, else say why
+            try:
+                fetch("smollm2")
+                model = "smollm2"
+            except FetchError as e:
+                print(f"jaxdisagg demo: SmolLM2 is not available ({e}); running the tiny "
+                      "random-weight preset instead", file=sys.stderr)
+                model = "tiny"
+        if model == "smollm2":
+            config = str(CONFIGS / "cpu-smollm2.yaml")
+            colocated = colocated or str(CONFIGS / "cpu-smollm2-colocated.yaml")
+        else:
+            config = str(CONFIGS / "cpu-1p1d.yaml")
+            colocated = colocated or str(CONFIGS / "cpu-colocated.yaml")
+            if model != "tiny":  # the default layouts, another model
+                config, colocated = (
+                    dataclasses.replace(c, model=dataclasses.replace(c.model, name=model))
+                    for c in (load_config(config), load_config(colocated)))
+    elif colocated is None:
+        colocated = str(CONFIGS / "cpu-colocated.yaml")
+    run_demo(config, None if args.no_compare else colocated, args.requests, args.max_tokens,
+             args.max_prompt, args.seed, sys.stdout)
     return 0
 
 
@@ -504,11 +529,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
                                     "then through the colocated one, and compare")
-    d.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
-    d.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"))
+    d.add_argument("--model", default="auto",
+                   help="auto (SmolLM2, fetched on first use; the tiny preset if it cannot "
+                        "be had), smollm2, tiny, or a checkpoint (directory or .gguf) "
+                        "served on the default CPU layouts (default: %(default)s)")
+    d.add_argument("--config", default=None,
+                   help="the disaggregated deployment (default: the model's CPU config)")
+    d.add_argument("--colocated-config", default=None,
+                   help="the colocated baseline (default: the model's CPU config)")
     d.add_argument("--no-compare", action="store_true", help="skip the colocated run")
     d.add_argument("--requests", type=int, default=12)
-    d.add_argument("--max-tokens", type=int, default=32)
+    d.add_argument("--max-tokens", type=int, default=48)
     d.add_argument("--max-prompt", type=int, default=600, help="longest prompt, in tokens")
     d.add_argument("--seed", type=int, default=0)
     d.set_defaults(fn=cmd_demo)

@@ -1,7 +1,8 @@
 """`jaxdisagg demo`: one workload through the disaggregated engine, then the colocated one.
 
-Boots the engine on a config (default: 8 CPU devices, tiny preset), submits a batch
-of concurrent requests of mixed prompt lengths, streams one of them to the
+Boots the engine on a config (by default the real SmolLM2-135M-Instruct, fetched on
+first use, on 8 CPU devices; the tiny random preset when it cannot be had), submits
+a batch of concurrent chat requests of mixed lengths, streams one answer to the
 terminal while the rest run, and prints per-request latency, the KV each one moved
 and the pools' peak utilisation; then runs the same workload through the colocated
 engine on the same devices and prints the two side by side.
@@ -21,6 +22,30 @@ from jaxdisagg.serve.engine import Engine, Result
 
 TEXT = ("Prefill is compute-bound and decode is bandwidth-bound, so one engine cannot be "
         "sized for both. ")
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Explain in two sentences why the sky is blue.",
+    "Write a haiku about a GPU waiting for memory.",
+    "What is 12 times 12?",
+    "Give three tips for writing clear code.",
+    "Summarize the following and say which phase is compute-bound: " + TEXT * 6,
+    "Name the planets of the solar system in order.",
+    "What does a chef do?",
+    "Translate 'good morning' into French and Spanish.",
+    "Why do we sleep? Answer briefly.",
+    "Write one sentence about the ocean.",
+    "What is the boiling point of water at sea level?",
+]
+
+
+def chat_workload(n: int, seed: int, template) -> list[str]:
+    """n chat-formatted prompts (the checkpoint's own template), questions of mixed length."""
+    rng = np.random.default_rng(seed)
+    order = [0, *rng.permutation(np.arange(1, len(QUESTIONS)))]
+    questions = [QUESTIONS[order[i % len(order)]] for i in range(n)]
+    return [template.render([{"role": "user", "content": q}]) for q in questions]
 
 
 def workload(n: int, seed: int, max_prompt: int) -> list[str]:
@@ -92,7 +117,8 @@ def serve(engine: Engine, prompts: list[str], params: SamplingParams, label: str
           stream_first: bool, out) -> RunSummary:
     with PeakGauges(engine) as gauges:
         t0 = time.perf_counter()
-        rids = [engine.submit(p, params) for p in prompts[1:]]
+        rids = [engine.submit(p, params, request_id=f"demo-{i}")
+                for i, p in enumerate(prompts[1:], 1)]
         if stream_first:
             print(f"\n{label}: streaming request 0 ({len(prompts[0])} prompt chars) while "
                   f"{len(rids)} others run:\n  ", end="", file=out, flush=True)
@@ -150,25 +176,44 @@ def print_side_by_side(runs: list[RunSummary], out) -> None:
         print(f"  {key:<12}" + "".join(f"{row[key]:>{width}.1f}" for row in rows), file=out)
 
 
-def run_demo(config: str, colocated_config: str | None, requests: int, max_tokens: int,
+def print_answers(summary: RunSummary, prompts: list[str], out, width: int = 100) -> None:
+    print(f"{summary.label}: answers", file=out)
+    for r, prompt in zip(summary.results, prompts, strict=True):
+        question = prompt.split("user\n", 1)[-1].split("<|im_end|>", 1)[0]
+        answer = " ".join((r.text or "").split())
+        print(f"  {r.request_id:>7} Q: {question[:width - 12]}", file=out)
+        print(f"  {'':>7} A: {answer[:width - 12]}{'...' if len(answer) > width - 12 else ''}",
+              file=out)
+
+
+def run_demo(config, colocated_config, requests: int, max_tokens: int,
              max_prompt: int, seed: int, out) -> list[RunSummary]:
-    prompts = workload(requests, seed, max_prompt)
+    """Configs are paths or DeploymentConfigs. A model with a chat template gets questions
+    in its own chat format; one without (random presets) gets plain text."""
     params = SamplingParams(max_tokens=max_tokens)
-    runs = []
+    runs, prompts, chat_template = [], None, None
     for i, (label, cfg) in enumerate([("disaggregated", config),
                                       ("colocated", colocated_config)]):
         if cfg is None:
             continue
-        print(f"booting the {label} engine from {cfg} (compiling every program once)",
+        where = cfg if isinstance(cfg, str) else f"{cfg.model.name} on its {cfg.mode} layout"
+        print(f"booting the {label} engine from {where} (compiling every program once)",
               file=out, flush=True)
         with Engine.from_config(cfg, progress=True) as engine:
+            if prompts is None:
+                chat_template = getattr(engine.tokenizer, "chat_template", None)
+                prompts = (chat_workload(requests, seed, chat_template) if chat_template
+                           else workload(requests, seed, max_prompt))
             warm = engine.generate([prompts[0]], SamplingParams(max_tokens=2))  # first calls
             del warm
             summary = serve(engine, prompts, params, label, stream_first=i == 0, out=out)
         print_requests(summary, out)
+        if chat_template is not None:
+            print_answers(summary, prompts, out)
         runs.append(summary)
     if len(runs) > 1:
         print_side_by_side(runs, out)
-    print("\n(The tiny preset has random weights: the text is noise; the timings are real.)",
-          file=out)
+    if chat_template is None:
+        print("\n(This model has random weights: the text is noise; the timings are real.)",
+              file=out)
     return runs
