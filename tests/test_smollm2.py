@@ -182,3 +182,23 @@ def test_greedy_answers_equal_transformers_across_processes(ours, hf_answers):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def _cli(*args, stdin=None):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run([sys.executable, "-m", "jaxdisagg.cli", *args], input=stdin,
+                          capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                          timeout=600)
+
+
+def test_generate_chat_and_the_chat_repl_answer(gguf_path):
+    out = _cli("generate", "--model", str(gguf_path), "--chat",
+               "What is the capital of France?", "--max-tokens", "16")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "The capital of France is Paris." in out.stdout
+    # Two turns (the second needs the first as context), a reset, then leave.
+    out = _cli("chat", "--model", str(gguf_path), "--max-tokens", "24",
+               stdin="What is the capital of France?\nAnd of Germany?\n/reset\n/quit\n")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Paris" in out.stdout and "Berlin" in out.stdout
+    assert "(conversation cleared)" in out.stderr
