@@ -207,6 +207,8 @@ def cmd_serve(args) -> int:
     try:
         server = Server(engine, args.host, args.port, server_limits, args.metrics_port,
                         secret=secret)
+        if args.http_port is not None:
+            server.serve_http(args.http_port, args.served_model_name)
     except Exception:
         engine.close()
         raise
@@ -279,21 +281,25 @@ def cmd_launch(args) -> int:
         if not line.startswith("READY"):
             proc.kill()
             raise RuntimeError(f"{extra[1]} process did not start (exit {proc.wait()})")
-        return proc, line.split()[1]
+        words = line.split()
+        url = words[words.index("openai") + 1] if "openai" in words else None
+        return proc, words[1], url
 
     stop = _wait_for_signal()
     procs = []
     try:
-        prefill, address = start(0, "--role", "prefill", "--control-port", "0")
+        prefill, address, _ = start(0, "--role", "prefill", "--control-port", "0")
         procs.append(prefill)
         metrics = [] if args.metrics_port is None else ["--metrics-port",
                                                         str(args.metrics_port)]
-        decode, internal = start(1 % len(cores), "--role", "decode", "--prefill", address,
-                                 "--port", "0", *metrics)
+        if args.http_port is not None:  # the OpenAI API is served by the decode process
+            metrics += ["--http-port", str(args.http_port), "--host", args.host]
+        decode, internal, openai_url = start(1 % len(cores), "--role", "decode", "--prefill",
+                                             address, "--port", "0", *metrics)
         procs.append(decode)
         # The router is light (it forwards bytes): it shares the decode core.
-        router, public = start(1 % len(cores), "--role", "router", "--decode", internal,
-                               "--host", args.host, "--port", str(args.port))
+        router, public, _ = start(1 % len(cores), "--role", "router", "--decode", internal,
+                                  "--host", args.host, "--port", str(args.port))
         procs.append(router)
     except BaseException:
         for proc in procs:
@@ -302,7 +308,8 @@ def cmd_launch(args) -> int:
     where = (f"prefill pid {prefill.pid} on core {cores[0]}, decode pid {decode.pid} on core "
              f"{cores[1]}" if len(cores) > 1 else
              f"prefill pid {prefill.pid}, decode pid {decode.pid}: one core, not pinned")
-    print(f"READY {public} ({where}, router pid {router.pid})", flush=True)
+    http = f" openai {openai_url}" if openai_url else ""
+    print(f"READY {public}{http} ({where}, router pid {router.pid})", flush=True)
     rc = 0
     names = {prefill: "prefill", decode: "decode", router: "router"}
     while not stop.wait(0.5):
@@ -559,6 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest max_tokens a request may ask for")
     s.add_argument("--max-message-bytes", type=int, default=4 * 2**20,
                    help="largest gRPC message, either way")
+    s.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0 picks "
+                        "a free one): /v1/completions, /v1/chat/completions, /v1/models")
+    s.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the config's model.name)")
     s.add_argument("--stall-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="cancel a stream whose client has read nothing for this long")
     s.add_argument("--secret-file", default=None,
@@ -580,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--host", default="127.0.0.1")
     la.add_argument("--port", type=int, default=50051)
     la.add_argument("--metrics-port", type=int, default=None)
+    la.add_argument("--http-port", type=int, default=None,
+                    help="serve the OpenAI-compatible HTTP API (from the decode process) on "
+                         "this port (0 picks a free one)")
     la.set_defaults(fn=cmd_launch)
 
     b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, "

@@ -282,6 +282,15 @@ class Server:
                              if metrics_port is not None else None)
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, daemon=True, name="server-watch")
+        self.http = None  # the OpenAI-compatible front end, when serve_http() was called
+
+    def serve_http(self, port: int, model_name: str | None = None) -> None:
+        """The OpenAI-compatible HTTP API beside the gRPC one, on the same engine."""
+        from jaxdisagg.serve.openai_api import HTTPServer, OpenAIFrontEnd
+
+        front = OpenAIFrontEnd(self.engine, model_name, self.limits.max_message_bytes,
+                               exporter=self.exporter)
+        self.http = HTTPServer(front, self.host, port)
 
     def _set_health(self, serving: bool) -> None:
         status = (health_pb2.HealthCheckResponse.SERVING if serving
@@ -303,6 +312,8 @@ class Server:
 
     def start(self) -> Server:
         self.grpc.start()
+        if self.http is not None:
+            self.http.start()
         self._set_health(True)
         self._watcher.start()
         return self
@@ -313,6 +324,8 @@ class Server:
         self.service.closing.set()
         self._stop.set()
         self._set_health(False)
+        if self.http is not None:
+            self.http.stop()  # new requests get 503; streams in flight finish first
         self.grpc.stop(grace).wait()
         self.engine.close()
         self.exporter.close()
@@ -326,6 +339,8 @@ def serve_forever(server: Server, out=sys.stdout) -> None:
     server.start()
     metrics = f" metrics http://{server.host}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
+    if server.http is not None:
+        metrics += f" openai http://{server.http.host}:{server.http.port}/v1"
     say(f"READY {server.host}:{server.port}{metrics}", out)
     stop.wait()
     say("draining", out)
