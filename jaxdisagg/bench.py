@@ -169,6 +169,64 @@ class ServerTarget:
         rec.stages = stages(dict(last.timings.timeline)) if last else {}
 
 
+class OpenAITarget:
+    """Drives any OpenAI-compatible server (ours, llama.cpp's, vLLM's) through
+    `/v1/completions` with token-id prompts, streamed; every time is taken on the client
+    from the SSE chunks, so servers are compared on equal terms."""
+
+    def __init__(self, url: str, model: str | None = None, vocab: int | None = None):
+        import httpx
+
+        self.url = url.rstrip("/")
+        if not self.url.endswith("/v1"):
+            self.url += "/v1"
+        self.http = httpx.Client(timeout=httpx.Timeout(600.0, connect=10.0),
+                                 limits=httpx.Limits(max_connections=1024))
+        models = self.http.get(self.url + "/models").json().get("data", [])
+        if not models and model is None:
+            raise ValueError(f"--url: {self.url}/models lists no model; pass --model")
+        self.model = model or models[0]["id"]
+        entry = next((m for m in models if m.get("id") == self.model), {})
+        # Our servers say their vocabulary; others need --vocab (ids stay below it).
+        self.vocab = vocab or entry.get("vocab_size") or 32000
+
+    def run_one(self, prompt, max_tokens, rec: Record) -> None:
+        import json
+
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                "temperature": 0, "stream": True, "ignore_eos": True,
+                "stream_options": {"include_usage": True}}
+        start = time.perf_counter()
+        times, usage, timeline = [], None, {}
+        try:
+            with self.http.stream("POST", self.url + "/completions", json=body) as r:
+                if r.status_code != 200:
+                    rec.status = f"failed: HTTP {r.status_code}"
+                    return
+                for line in r.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        rec.status = f"failed: {chunk['error'].get('message')}"
+                        return
+                    usage = chunk.get("usage") or usage
+                    for choice in chunk.get("choices", []):
+                        # One chunk per token (its text may be empty: a character
+                        # still incomplete); the finishing chunk carries no token.
+                        if choice.get("finish_reason") is None:
+                            times.append(time.perf_counter())
+                        timeline = (choice.get("jaxdisagg") or {}).get("timeline", timeline)
+        except Exception as e:  # noqa: BLE001 - a dropped connection is a failed request
+            rec.status = f"failed: {type(e).__name__}"
+            return
+        rec.tokens = (usage or {}).get("completion_tokens", len(times))
+        rec.ttft = times[0] - start if times else None
+        rec.itl = list(np.diff(times))
+        rec.e2e = time.perf_counter() - start
+        rec.stages = stages(timeline)
+
+
 def run(target, workload: Workload) -> list[Record]:
     """Submits every request at its arrival time (one thread each); returns the measured
     records (warm-up excluded)."""

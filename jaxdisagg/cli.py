@@ -374,7 +374,11 @@ def cmd_bench(args) -> int:
     slo = bench.SLO.parse(args.slo)
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
     configs = {"colocated": args.colocated_config, "disaggregated": args.disaggregated_config}
-    if args.server:
+    if args.server and args.url:
+        raise ValueError("--url: give --server (gRPC) or --url (OpenAI HTTP), not both")
+    if args.url:
+        targets = {args.label or "openai": args.url}
+    elif args.server:
         targets = {"server": args.server}
     elif args.compare:
         names = args.compare.split(",")
@@ -388,7 +392,9 @@ def cmd_bench(args) -> int:
     results, curves, raw = {}, {}, {}
     for label, where in targets.items():
         with contextlib.ExitStack() as stack:
-            if args.server:
+            if args.url:
+                target = bench.OpenAITarget(where, args.model, args.vocab)
+            elif args.server:
                 target = bench.ServerTarget(where)
             else:
                 from jaxdisagg.serve.engine import Engine
@@ -600,7 +606,17 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, "
                                      "goodput under an SLO; compare engines")
     b.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
-    b.add_argument("--server", metavar="HOST:PORT", help="drive a running server instead")
+    b.add_argument("--server", metavar="HOST:PORT",
+                   help="drive a running jaxdisagg server over gRPC instead")
+    b.add_argument("--url", metavar="http://HOST:PORT[/v1]",
+                   help="drive any OpenAI-compatible server (ours, llama.cpp's, vLLM's) "
+                        "through /v1/completions; times are taken from the SSE stream")
+    b.add_argument("--model", default=None,
+                   help="the model name to send with --url (default: the server's first)")
+    b.add_argument("--vocab", type=int, default=None,
+                   help="prompt token ids stay below this (--url; default: what the "
+                        "server reports, else 32000)")
+    b.add_argument("--label", default=None, help="the name of the --url run in the table")
     b.add_argument("--compare", metavar="colocated,disaggregated")
     b.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"))
     b.add_argument("--disaggregated-config", default=str(CONFIGS / "cpu-1p1d.yaml"))

@@ -236,6 +236,22 @@ def test_full_engine_is_429_and_disconnects_free_blocks(server, client):
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices
 
 
+def test_bench_drives_an_openai_server(server):
+    """`jaxdisagg bench --url`: client-side TTFT/ITL from the SSE stream, every token
+    counted, our lifecycle breakdown kept."""
+    from jaxdisagg import bench
+
+    target = bench.OpenAITarget(server["url"])
+    assert target.model == "tiny" and target.vocab == 384
+    work = bench.Workload(requests=4, prompt=bench.Lengths("fixed", 20),
+                          output=bench.Lengths("fixed", 5), warmup=1)
+    records = bench.run(target, work)
+    assert all(r.status == "ok" and r.tokens == 5 and r.ttft > 0 for r in records), records
+    assert all(len(r.itl) >= 3 and "prefill" in r.stages for r in records)
+    summary = bench.summarize(records, bench.SLO.parse("ttft_ms=60000,tpot_ms=60000"))
+    assert summary["slo_attainment"] == 1.0
+
+
 def test_sigterm_drains_http_too(server, client):
     """Last: health and new requests turn away while the process drains and exits."""
     proc = server["proc"]

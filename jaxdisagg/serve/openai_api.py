@@ -478,7 +478,8 @@ class OpenAIFrontEnd:
         async def models():
             return {"object": "list", "data": [{
                 "id": front.model_name, "object": "model", "created": 0,
-                "owned_by": "jaxdisagg", "max_model_len": front.engine.max_context}]}
+                "owned_by": "jaxdisagg", "max_model_len": front.engine.max_context,
+                "vocab_size": front.engine.vocab_size}]}
 
         @app.get("/health")
         async def health():
