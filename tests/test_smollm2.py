@@ -157,12 +157,16 @@ def test_greedy_answers_equal_transformers_both_engines(config, prompts, hf_answ
     assert all(r.finish_reason in ("stop", "length") for r in results)
 
 
-def test_greedy_answers_equal_transformers_across_processes(ours, hf_answers):
-    """`jaxdisagg launch` of the two-process SmolLM2 config; chat prompts as text."""
+def test_greedy_answers_equal_transformers_across_processes(ours, hf, hf_answers):
+    """`jaxdisagg launch` of the two-process SmolLM2 config: chat prompts as text over
+    gRPC, and the OpenAI chat API through the official client."""
+    import openai
+
     _, tok = ours
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "launch", "--config",
-                             str(ROOT / "configs/cpu-smollm2-2proc.yaml"), "--port", "0"],
+                             str(ROOT / "configs/cpu-smollm2-2proc.yaml"), "--port", "0",
+                             "--http-port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                             env={**env, "JAX_PLATFORMS": "cpu"})
     try:
@@ -176,6 +180,16 @@ def test_greedy_answers_equal_transformers_across_processes(ours, hf_answers):
                 assert got["timings"].transfer_bytes > 0
             info = client.info()
             assert json.loads(info.config_json)["transfer"]["kind"] == "cross_process"
+        words = line.split()
+        api = openai.OpenAI(base_url=words[words.index("openai") + 1], api_key="x",
+                            max_retries=0)
+        reply = api.chat.completions.create(model="smollm2", messages=CONVERSATIONS[0],
+                                            max_tokens=NEW_TOKENS, temperature=0)
+        _, hf_tok = hf
+        assert reply.choices[0].message.content == hf_tok.decode(hf_answers[0],
+                                                                 skip_special_tokens=True)
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens == len(hf_answers[0])
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=120)
         assert proc.returncode == 0
