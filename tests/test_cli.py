@@ -36,7 +36,7 @@ def test_convert_then_generate_matches_library(tmp_path):
     write_tokenizer_json(hf)
     out = run("convert", str(hf), str(tmp_path / "orbax"))
     assert out.returncode == 0, out.stderr
-    assert "with tokenizer.json" in out.stdout
+    assert "with its tokenizer" in out.stdout
     assert (tmp_path / "orbax" / "state").is_dir()
 
     gen = run("generate", "--model", str(tmp_path / "orbax"), "--token-ids", "--max-tokens", "6",

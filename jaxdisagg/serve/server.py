@@ -339,7 +339,7 @@ def serve_forever(server: Server, out=sys.stdout) -> None:
     server.start()
     metrics = f" metrics http://{server.host}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
-    if server.http is not None:
+    if getattr(server, "http", None) is not None:  # the router serves gRPC only
         metrics += f" openai http://{server.http.host}:{server.http.port}/v1"
     say(f"READY {server.host}:{server.port}{metrics}", out)
     stop.wait()
