@@ -157,3 +157,30 @@ def test_kv_head_replication_is_explicit_and_accounted():
     assert half.kv_replication == 1 and half.layout.num_kv_heads == 2
     assert inst.layout.nbytes() == 2 * half.layout.nbytes()
     assert inst.kv.k[0].sharding.shard_shape(inst.kv.k[0].shape)[2] == 1
+
+
+def test_devices_needed_counts_indices_and_counts():
+    from jaxdisagg.mesh.config import devices_needed
+
+    assert devices_needed(parse_config(base())) == 6
+    assert devices_needed(parse_config({"prefill": {"devices": 2, "tp": 2},
+                                        "decode": {"devices": [5], "tp": 1}})) == 6
+    assert devices_needed(parse_config({"prefill": {"devices": 3, "tp": 1},
+                                        "decode": {"devices": [0], "tp": 1}})) == 4
+
+
+def test_a_fresh_process_gets_the_cpu_devices_a_config_needs(tmp_path):
+    """No XLA_FLAGS: building the deployment asks JAX for enough host devices."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code = ("from jaxdisagg.serve.engine import Engine\n"
+            "from jaxdisagg.model import SamplingParams\n"
+            "with Engine.from_config('configs/cpu-1p1d.yaml') as e:\n"
+            "    print(len(e.generate(['Hi'], SamplingParams(max_tokens=2))[0].token_ids))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300,
+                         env={**env, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 0 and out.stdout.strip() == "2", out.stderr[-1500:]

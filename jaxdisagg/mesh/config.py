@@ -214,6 +214,33 @@ class PoolPlacement:
         return tuple(d for inst in self.instances for d in inst)
 
 
+def devices_needed(cfg: DeploymentConfig, role: str | None = None) -> int:
+    """How many devices of this process the config's pools name (indices or counts)."""
+    pools = [p for n, p in cfg.pools().items() if role is None or n == role]
+    if cfg.transfer.kind == "cross_process":  # one pool per process, its own indices
+        pools = pools[:1] if role is None else pools
+    explicit = {d for p in pools if isinstance(p.devices, list) for d in p.devices}
+    counted = sum(p.devices for p in pools if isinstance(p.devices, int))
+    return max(max(explicit, default=-1) + 1, len(explicit) + counted, 1)
+
+
+def ensure_cpu_devices(n: int) -> None:
+    """On CPU, asks JAX for n host devices if its backend has not started yet (tests and
+    the CLI set XLA_FLAGS instead; that wins). Too late is fine: the placement check then
+    says what to do."""
+    import os
+
+    import jax
+
+    if "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        if jax.config.jax_num_cpu_devices < n:
+            jax.config.update("jax_num_cpu_devices", n)
+    except (RuntimeError, ValueError, AttributeError):
+        pass  # the backend is up already
+
+
 def valid_tp(num_heads: int, num_kv_heads: int, ffn: int | None = None) -> list[int]:
     """Tensor-parallel degrees a model allows: each divides the query heads (and the
     MLP's columns), and either divides the KV heads or is a multiple of them (KV heads
@@ -251,8 +278,12 @@ def place_pools(cfg: DeploymentConfig, num_devices: int, num_heads: int,
                 raise ConfigError(f"{name}.devices: lists a device twice: {devices}")
             beyond = [d for d in devices if not 0 <= d < num_devices]
             if beyond:
-                raise ConfigError(f"{name}.devices: indices {beyond} are beyond the "
-                                  f"{num_devices} devices present (0-{num_devices - 1})")
+                raise ConfigError(
+                    f"{name}.devices: indices {beyond} are beyond the {num_devices} devices "
+                    f"present (0-{num_devices - 1}). On CPU, JAX started with too few host "
+                    "devices: build the deployment before any other JAX call in the "
+                    "process (it then asks for enough), or set "
+                    "XLA_FLAGS=--xla_force_host_platform_device_count=8 before JAX starts")
         for d in devices:
             if d in used:
                 raise ConfigError(f"{name}.devices: device {d} is also in {used[d]}.devices; "

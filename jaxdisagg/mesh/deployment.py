@@ -18,7 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from jaxdisagg.mesh.config import ConfigError, DeploymentConfig, load_config, place_pools
+from jaxdisagg.mesh.config import (
+    ConfigError,
+    DeploymentConfig,
+    devices_needed,
+    ensure_cpu_devices,
+    load_config,
+    place_pools,
+)
 from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import InFlightKV, InProcessTransfer, TransferStats
 from jaxdisagg.model.llama import Llama
@@ -44,7 +51,9 @@ class Deployment:
         `xproc.KVSender` / `xproc.KVReceiver`.
         """
         cfg = load_config(config) if isinstance(config, str) else config
-        devices = jax.devices() if devices is None else devices
+        if devices is None:
+            ensure_cpu_devices(devices_needed(cfg, role))
+            devices = jax.devices()
         if role is not None and role not in cfg.pools():
             raise ConfigError(f"role {role!r}: this config's pools are {', '.join(cfg.pools())}")
         if cfg.transfer.kind == "cross_process" and role is None:
