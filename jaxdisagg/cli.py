@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -372,7 +373,12 @@ def cmd_bench(args) -> int:
             or args.burstiness <= 0:
         raise ValueError("--requests, --rate and --burstiness must be positive")
     slo = bench.SLO.parse(args.slo)
+    if args.sweep and args.rate is not None:
+        raise ValueError("--rate: --sweep gives the rates; pass one or the other")
     rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
+    bounds = [f"{k} <= {v:g} ms" for k, v in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))
+              if v is not None]
+    print(f"SLO: {' and '.join(bounds) or 'none'} (--slo)", file=sys.stderr)
     configs = {"colocated": args.colocated_config, "disaggregated": args.disaggregated_config}
     if args.server and args.url:
         raise ValueError("--url: give --server (gRPC) or --url (OpenAI HTTP), not both")
@@ -413,9 +419,16 @@ def cmd_bench(args) -> int:
     print(bench.table(results))
     if args.sweep:
         for label, sweep in curves.items():
-            rate = bench.goodput_rate(sweep)
-            print(f"{label}: goodput rate (90% attainment) = "
-                  f"{'below the lowest rate tried' if rate is None else f'{rate:.2f} req/s'}")
+            rate, points = bench.goodput_rate(sweep), sorted(sweep)
+            if rate is None:
+                said = f"attainment is below 90% already at the lowest rate tried " \
+                       f"({points[0][0]:g} req/s)"
+            elif all(a >= 0.9 for _, a in points):
+                said = f"attainment never fell below 90% up to {points[-1][0]:g} req/s " \
+                       "(the highest rate tried): the goodput rate is at least that"
+            else:
+                said = f"goodput rate (90% attainment) = {rate:.2f} req/s"
+            print(f"{label}: {said}")
         if args.plot:
             print(f"wrote {bench.plot_sweep(curves, args.plot, slo)}")
     if args.json:
@@ -503,19 +516,33 @@ def cmd_demo(args) -> int:
     return 0
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown where there is one to show (not None/False, not said already)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="jaxdisagg", description=__doc__)
+    p = argparse.ArgumentParser(prog="jaxdisagg", description=__doc__,
+                                formatter_class=_HelpFormatter)
     p.add_argument("--log-level", default="WARNING",
                    choices=("DEBUG", "INFO", "WARNING", "ERROR"),
                    help="logging threshold (to stderr; request ids in every message)")
     sub = p.add_subparsers(dest="command", required=True)
+    # Every subcommand shows its defaults in --help.
+    sub.add_parser = functools.partial(sub.add_parser, formatter_class=_HelpFormatter)
 
     c = sub.add_parser("convert", help="convert a Hugging Face directory or a GGUF file to "
                                        "an Orbax checkpoint")
     c.add_argument("hf_dir", metavar="SOURCE", help="a Hugging Face Llama directory or a "
                                                     ".gguf file")
-    c.add_argument("out_dir")
-    c.add_argument("--dtype", choices=DTYPES, default="float32")
+    c.add_argument("out_dir", help="where the Orbax checkpoint is written (must not exist yet)")
+    c.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="dtype the weights are stored in")
     c.set_defaults(fn=cmd_convert)
 
     g = sub.add_parser("generate", help="generate text with the reference generator")
@@ -523,11 +550,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny",
                    help="preset name (random weights), smollm2 (fetched on first use), a "
                         ".gguf file or a checkpoint directory (HF or Orbax)")
-    g.add_argument("--dtype", choices=DTYPES, default="float32")
-    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
+    g.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 is off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 is off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed")
     g.add_argument("--seed-weights", type=int, default=0, help="init seed of a preset's weights")
     g.add_argument("--token-ids", action="store_true",
@@ -548,16 +575,17 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--model", default="smollm2",
                     help="smollm2 (fetched on first use), a .gguf file or a checkpoint "
                          "directory with a chat template (default: %(default)s)")
-    ch.add_argument("--dtype", choices=DTYPES, default="float32")
+    ch.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype")
     ch.add_argument("--system", default=None, help="a system message for the conversation")
-    ch.add_argument("--max-tokens", type=int, default=256)
+    ch.add_argument("--max-tokens", type=int, default=256, help="longest answer, in tokens")
     ch.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    ch.add_argument("--top-p", type=float, default=1.0)
-    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 is off)")
+    ch.add_argument("--seed", type=int, default=0, help="sampling seed")
     ch.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("serve", help="serve a deployment over gRPC")
-    s.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    s.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"),
+                   help="deployment YAML (configs/ holds the shipped ones)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     s.add_argument("--port", type=int, default=50051, help="0 picks a free port")
     s.add_argument("--metrics-port", type=int, default=None,
@@ -594,10 +622,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     la = sub.add_parser("launch", help="start every pool process of a cross_process config")
-    la.add_argument("--config", default=str(CONFIGS / "cpu-2proc.yaml"))
-    la.add_argument("--host", default="127.0.0.1")
-    la.add_argument("--port", type=int, default=50051)
-    la.add_argument("--metrics-port", type=int, default=None)
+    la.add_argument("--config", default=str(CONFIGS / "cpu-2proc.yaml"),
+                    help="a transfer.kind: cross_process deployment YAML")
+    la.add_argument("--host", default="127.0.0.1", help="bind address of the public (router) port")
+    la.add_argument("--port", type=int, default=50051, help="public gRPC port (0 picks a free one)")
+    la.add_argument("--metrics-port", type=int, default=None,
+                    help="Prometheus /metrics port of the decode process")
     la.add_argument("--http-port", type=int, default=None,
                     help="serve the OpenAI-compatible HTTP API (from the decode process) on "
                          "this port (0 picks a free one)")
@@ -605,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="load generator: latency percentiles, throughput, "
                                      "goodput under an SLO; compare engines")
-    b.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"))
+    b.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"),
+                   help="deployment to drive in-process (without --compare/--server/--url)")
     b.add_argument("--server", metavar="HOST:PORT",
                    help="drive a running jaxdisagg server over gRPC instead")
     b.add_argument("--url", metavar="http://HOST:PORT[/v1]",
@@ -617,33 +648,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt token ids stay below this (--url; default: what the "
                         "server reports, else 32000)")
     b.add_argument("--label", default=None, help="the name of the --url run in the table")
-    b.add_argument("--compare", metavar="colocated,disaggregated")
-    b.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"))
-    b.add_argument("--disaggregated-config", default=str(CONFIGS / "cpu-1p1d.yaml"))
-    b.add_argument("--requests", type=int, default=32)
+    b.add_argument("--compare", metavar="colocated,disaggregated",
+                   help="run the same workload through both engines, side by side")
+    b.add_argument("--colocated-config", default=str(CONFIGS / "cpu-colocated.yaml"),
+                   help="the colocated deployment of --compare")
+    b.add_argument("--disaggregated-config", default=str(CONFIGS / "cpu-1p1d.yaml"),
+                   help="the disaggregated deployment of --compare")
+    b.add_argument("--requests", type=int, default=32,
+                   help="measured requests (warm-up ones come on top)")
     b.add_argument("--rate", type=float, default=None, help="requests/s (default: all at once)")
     b.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
     b.add_argument("--prompt-len", default="fixed:256", help="fixed:N | uniform:A:B | "
                                                              "lognormal:MEAN:SIGMA")
-    b.add_argument("--output-len", default="fixed:32")
-    b.add_argument("--shared-prefix", type=int, default=0)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--warmup", type=int, default=2)
-    b.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100")
+    b.add_argument("--output-len", default="fixed:32",
+                   help="new tokens per request: fixed:N | uniform:A:B | lognormal:MEAN:SIGMA")
+    b.add_argument("--shared-prefix", type=int, default=0,
+                   help="tokens every prompt starts with (prefix-cache hits)")
+    b.add_argument("--seed", type=int, default=0,
+                   help="workload seed (arrivals, lengths, token ids)")
+    b.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first")
+    b.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100",
+                   help="the SLO goodput is judged against: ttft_ms=X,tpot_ms=Y")
     b.add_argument("--sweep", metavar="R1,R2,...", help="request rates for attainment curves")
-    b.add_argument("--json", metavar="FILE")
+    b.add_argument("--json", metavar="FILE",
+                   help="also write every figure and request record as JSON")
     b.add_argument("--plot", metavar="PNG", help="attainment curves (with --sweep)")
     b.set_defaults(fn=cmd_bench)
 
     r = sub.add_parser("roofline", help="the article's cost model: intensity, ridge, regimes, "
                                         "crossover, KV transfer times; optional plot")
     r.add_argument("--model", default="llama2-7b", help="preset or HF config.json")
-    r.add_argument("--hardware", default="h100-sxm")
-    r.add_argument("--dtype-bytes", type=int, default=2)
-    r.add_argument("--plot", metavar="PNG")
+    r.add_argument("--hardware", default="h100-sxm",
+                   help="hardware entry (see the table roofline prints)")
+    r.add_argument("--dtype-bytes", type=int, default=2,
+                   help="bytes per weight and KV element (2: fp16/bf16)")
+    r.add_argument("--plot", metavar="PNG", help="write the roofline plot to this PNG")
     r.add_argument("--calibrate", action="store_true",
                    help="measure this machine and this project's step times, and compare")
-    r.add_argument("--calibrate-preset", default="small")
+    r.add_argument("--calibrate-preset", default="small",
+                   help="the preset --calibrate times on this machine")
     r.set_defaults(fn=cmd_roofline)
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
@@ -657,10 +700,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--colocated-config", default=None,
                    help="the colocated baseline (default: the model's CPU config)")
     d.add_argument("--no-compare", action="store_true", help="skip the colocated run")
-    d.add_argument("--requests", type=int, default=12)
-    d.add_argument("--max-tokens", type=int, default=48)
+    d.add_argument("--requests", type=int, default=12, help="concurrent requests in the workload")
+    d.add_argument("--max-tokens", type=int, default=48, help="new tokens per request")
     d.add_argument("--max-prompt", type=int, default=600, help="longest prompt, in tokens")
-    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--seed", type=int, default=0, help="workload seed")
     d.set_defaults(fn=cmd_demo)
     return p
 

@@ -88,7 +88,8 @@ def test_bench_compares_both_engines_with_a_sweep(tmp_path):
     assert data["results"]["disaggregated@5"]["transfer_median_ms"] is not None
     assert data["goodput_rate"] == {"colocated": 40, "disaggregated": 40}
     assert len(data["requests"]["colocated@5"]) == 6
-    assert "goodput rate" in out.stdout and (tmp_path / "b.png").exists()
+    assert "never fell below 90% up to 40 req/s" in out.stdout and (tmp_path / "b.png").exists()
+    assert "SLO: TTFT <= 60000 ms and TPOT <= 60000 ms" in out.stderr
 
 
 def test_bench_drives_a_server_and_rejects_bad_options(tmp_path):
