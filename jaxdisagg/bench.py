@@ -174,9 +174,13 @@ class OpenAITarget:
     `/v1/completions` with token-id prompts, streamed; every time is taken on the client
     from the SSE chunks, so servers are compared on equal terms."""
 
-    def __init__(self, url: str, model: str | None = None, vocab: int | None = None):
+    def __init__(self, url: str, model: str | None = None, vocab: int | None = None,
+                 extra: dict | None = None):
         import httpx
 
+        # Fields to add to every request. Ours and vLLM take `ignore_eos`; servers
+        # without it can ban EOS with a standard `logit_bias` instead.
+        self.extra = {"ignore_eos": True} if extra is None else extra
         self.url = url.rstrip("/")
         if not self.url.endswith("/v1"):
             self.url += "/v1"
@@ -194,8 +198,8 @@ class OpenAITarget:
         import json
 
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                "temperature": 0, "stream": True, "ignore_eos": True,
-                "stream_options": {"include_usage": True}}
+                "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+                **self.extra}
         start = time.perf_counter()
         times, usage, timeline = [], None, {}
         try:
