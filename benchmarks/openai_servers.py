@@ -125,7 +125,7 @@ def main() -> None:
                                                 "max": max(vals, default=None)}
             row.append(f"{med:.2f} [{min(vals, default=0):.2f}-{max(vals, default=0):.2f}]")
         print(f"{key:<18}" + "".join(f"{c:>34}" for c in row))
-    write_result("openai_servers.json", {
+    write_result(str(Path(__file__).parent / "results" / "openai_servers.json"), {
         "args": vars(args), "machine": platform.platform(), "cpus": os.cpu_count(),
         "date": time.strftime("%Y-%m-%d"), "summary": table, "rounds": runs})
 
