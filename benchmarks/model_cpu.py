@@ -1,12 +1,14 @@
 """Model step times on CPU against this machine's own ceilings, in one run.
 
-The `small` preset in fp32: a 512-token prefill chunk, and decode steps at B=1 and
+A model (default: the `small` preset; `--model smollm2` for the real SmolLM2-135M,
+`--dtype bfloat16` for bf16): a 512-token prefill chunk, and decode steps at B=1 and
 B=8 with ~512 tokens of context per slot. Beside them, measured the same way in
 the same process: the matmul rate (the prefill ceiling) and the weight-streaming
 bandwidth of a large fp32 matrix-vector product (the decode ceiling). If
 `transformers` is installed, HF on the same weights too.
 
-    python benchmarks/model_cpu.py [--repeats 7] [--out benchmarks/results/model_cpu.json]
+    python benchmarks/model_cpu.py [--model small|smollm2|PATH] [--dtype float32|bfloat16]
+                                   [--repeats 7] [--out benchmarks/results/model_cpu.json]
 
 Prints a table and writes JSON. The machine is noisy: compare ratios within a run.
 """
@@ -26,7 +28,8 @@ import numpy as np
 from common import median_seconds, write_result
 from flax import nnx
 
-from jaxdisagg.model import KVLayout, Llama, get_preset, jit_serving_fns
+from jaxdisagg.model import KVLayout, jit_serving_fns
+from jaxdisagg.model.weights import cast_model, load_model
 
 CONTEXT = 512
 BLOCK = 16
@@ -54,8 +57,8 @@ def ceilings(repeats: int) -> dict:
     return out
 
 
-def model_costs(cfg) -> dict:
-    """Bytes a decode step must stream and FLOPs a prefill chunk must do (fp32)."""
+def model_costs(cfg, nbytes: int = 4) -> dict:
+    """Bytes a decode step must stream and FLOPs a prefill chunk must do."""
     d, v = cfg.hidden_size, cfg.vocab_size
     layer_params = (cfg.num_params() - v * d * (1 if cfg.tie_word_embeddings else 2) - d)
     head_params = v * d
@@ -63,8 +66,8 @@ def model_costs(cfg) -> dict:
     attn_flops = cfg.num_layers * 2 * 2 * cfg.num_heads * cfg.head_dim * t * (t + 1) / 2
     return {
         # Every layer weight and the LM head; the embedding is read one row per token.
-        "decode_weight_bytes": 4 * (layer_params + head_params + d),
-        "kv_bytes_per_token": cfg.kv_bytes_per_token(4),
+        "decode_weight_bytes": nbytes * (layer_params + head_params + d),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(nbytes),
         # Layers for every token (causal attention counted once), LM head for the last.
         "prefill_flops": 2 * layer_params * t + attn_flops + 2 * head_params,
     }
@@ -137,14 +140,18 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="benchmarks/results/model_cpu.json")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers comparison")
+    p.add_argument("--model", default="small", help="preset, smollm2, or a checkpoint")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = p.parse_args(argv)
 
-    cfg = get_preset("small")
-    model = Llama(cfg, dtype=jnp.float32, seed=0)
+    model, _ = load_model(args.model, jnp.float32)
+    cfg = model.config
+    fp32 = model  # transformers runs fp32 on CPU either way
+    model = cast_model(model, args.dtype)
     ceil = ceilings(args.repeats)
-    cost = model_costs(cfg)
+    cost = model_costs(cfg, jnp.dtype(args.dtype).itemsize)
     mine = ours(model, args.repeats)
-    theirs = None if args.no_hf else hf(model, args.repeats)
+    theirs = None if args.no_hf else hf(fp32, args.repeats)
 
     prefill_gflops = cost["prefill_flops"] / mine["prefill_512_s"] / 1e9
     rows = [
@@ -175,12 +182,14 @@ def main(argv=None) -> int:
                            ("decode_b8_s", "decode B=8")):
             rows.append((f"HF transformers {label}", f"{theirs[key] * 1e3:.2f} ms",
                          f"ours is {theirs[key] / mine[key]:.2f}x faster"))
+    result["model"], result["dtype"] = cfg.name, args.dtype
     result["machine"] = {"platform": platform.platform(), "cpus": os.cpu_count(),
                          "python": sys.version.split()[0], "jax": jax.__version__,
                          "date": time.strftime("%Y-%m-%d %H:%M")}
 
     width = max(len(r[0]) for r in rows)
-    print(f"small preset (fp32, {cfg.num_params() / 1e6:.1f}M params), jax {jax.__version__}, "
+    print(f"{cfg.name} ({args.dtype}, {cfg.num_params() / 1e6:.1f}M params), "
+          f"jax {jax.__version__}, "
           f"{os.cpu_count()} CPUs, median of {args.repeats}+ runs")
     for name, value, note in rows:
         print(f"  {name:<{width}}  {value:>14}  {note}")
