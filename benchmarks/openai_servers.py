@@ -9,8 +9,10 @@ smollm2`) and is started once, all at the same time: jaxdisagg disaggregated
 and, when `--llama-python` names a Python with `llama-cpp-python[server]`, llama.cpp's
 OpenAI server (2 threads). Then the same seeded workload (Poisson arrivals, random
 token-id prompts, every request generating exactly `--new` tokens) is driven through
-`/v1/completions` by `jaxdisagg bench`'s OpenAI target, round by round with the order
-of the servers rotated, and every time is taken on the client from the SSE stream.
+`/v1/completions` by `jaxdisagg bench`'s OpenAI target (prompts sent as text, since
+llama-cpp-python's server takes no token ids: every server gets the same strings),
+round by round with the order of the servers rotated, and every time is taken on the
+client from the SSE stream. llama-cpp-python's server runs one request at a time.
 Prints medians and ranges over rounds and writes benchmarks/results/openai_servers.json.
 
 What differs: we compute in fp32 on the dequantized weights; llama.cpp computes on the
@@ -31,7 +33,9 @@ import httpx
 from common import write_result
 
 from jaxdisagg import bench
+from jaxdisagg.model import gguf as gguf_io
 from jaxdisagg.model.fetch import fetch
+from jaxdisagg.model.tokenizer import HFTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS = 2  # <|im_end|>
@@ -51,7 +55,10 @@ def start_ours(config: str) -> tuple[subprocess.Popen, str]:
 def start_llama(python: str, gguf: Path, port: int = 8765) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(gguf),
                              "--port", str(port), "--n_ctx", "2048", "--n_threads", "2",
-                             "--model_alias", "smollm2"],
+                             "--model_alias", "smollm2",
+                             # Queue requests: by default a new one cuts off the stream
+                             # in progress (one request at a time either way).
+                             "--interrupt_requests", "False"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     for _ in range(300):
@@ -77,18 +84,22 @@ def main() -> None:
     ap.add_argument("--slo", default="ttft_ms=2000,tpot_ms=300")
     args = ap.parse_args()
     gguf = fetch("smollm2")
+    reader = gguf_io._reader(gguf)
+    tok = HFTokenizer.from_gguf(gguf_io.tokenizer_spec(reader, gguf),
+                                gguf_io.config_from_gguf(reader, gguf))
     servers, procs = {}, []
     try:
         for label, config in (("jaxdisagg disaggregated", "cpu-smollm2.yaml"),
                               ("jaxdisagg colocated", "cpu-smollm2-colocated.yaml")):
             proc, url = start_ours(config)
             procs.append(proc)
-            servers[label] = bench.OpenAITarget(url, "smollm2")
+            servers[label] = bench.OpenAITarget(url, "smollm2", detokenize=tok.decode)
         if args.llama_python:
             proc, url = start_llama(args.llama_python, gguf)
             procs.append(proc)
             servers["llama.cpp (Q4_1)"] = bench.OpenAITarget(
-                url, "smollm2", vocab=49152, extra={"logit_bias": {str(EOS): -100}})
+                url, "smollm2", vocab=49152, extra={"logit_bias": {str(EOS): -100}},
+                detokenize=tok.decode)
         work = bench.Workload(requests=args.requests, rate=args.rate,
                               prompt=bench.Lengths("fixed", args.prompt),
                               output=bench.Lengths("fixed", args.new), warmup=1)
@@ -100,6 +111,9 @@ def main() -> None:
                 records = bench.run(servers[label], work)
                 summary = bench.summarize(records, slo)
                 runs[label].append(summary)
+                if not summary["completed"]:
+                    failed = {r.status for r in records}
+                    raise RuntimeError(f"{label}: every request failed: {failed}")
                 print(f"round {r + 1} {label}: {summary['throughput_tok_s']:.1f} tok/s, "
                       f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, TPOT p50 "
                       f"{summary['tpot_p50_ms']:.0f} ms, completed {summary['completed']}",

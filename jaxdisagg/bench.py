@@ -175,9 +175,12 @@ class OpenAITarget:
     from the SSE chunks, so servers are compared on equal terms."""
 
     def __init__(self, url: str, model: str | None = None, vocab: int | None = None,
-                 extra: dict | None = None):
+                 extra: dict | None = None, detokenize=None):
         import httpx
 
+        # Servers that take text only get the workload's ids as text (`detokenize`),
+        # so every server compared is sent the same string.
+        self.detokenize = detokenize
         # Fields to add to every request. Ours and vLLM take `ignore_eos`; servers
         # without it can ban EOS with a standard `logit_bias` instead.
         self.extra = {"ignore_eos": True} if extra is None else extra
@@ -197,6 +200,8 @@ class OpenAITarget:
     def run_one(self, prompt, max_tokens, rec: Record) -> None:
         import json
 
+        if self.detokenize is not None:
+            prompt = self.detokenize(prompt)
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                 "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
                 **self.extra}
