@@ -22,26 +22,17 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_util import engine_for, prompts
 
-from jaxdisagg.mesh.config import ConfigError, RouterConfig, parse_config
+from jaxdisagg.mesh.config import ConfigError, parse_config
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 from jaxdisagg.serve import faults
 from jaxdisagg.serve.decode import DecodeScheduler, Sequence
-from jaxdisagg.serve.engine import ColocatedEngine, DisaggregatedEngine, UnknownRequestError
+from jaxdisagg.serve.engine import DisaggregatedEngine, UnknownRequestError
 from jaxdisagg.serve.kv_cache import BlockManager
 from jaxdisagg.serve.validation import RequestLimits
 
 ENGINES = ["cpu-1p1d.yaml", "cpu-colocated.yaml"]
-
-
-def prompts(seed, lens):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, n).tolist() for n in lens]
-
-
-def stepped(dep, **router):
-    cls = ColocatedEngine if dep.config.mode == "colocated" else DisaggregatedEngine
-    return cls(dep, start=False, router=RouterConfig(**router) if router else None)
 
 
 def run(engine, requests, max_steps=3000):
@@ -92,7 +83,7 @@ def test_wide_seeds_and_huge_top_k_serve_beside_their_neighbours(deployments, na
                                                                  reference_tokens):
     """Seeds in [2^31, 2^64) and top_k >= 2^31 used to overflow an int32 inside the
     prefill step and fail every request pending there."""
-    engine = stepped(deployments(name))
+    engine = engine_for(deployments(name))
     ps = prompts(1, (40, 20, 70, 9))
     wide = [SamplingParams(temperature=0.8, seed=s, max_tokens=5)
             for s in (2**31, 2**32 + 7, 2**64 - 1)]
@@ -219,7 +210,7 @@ def test_chaos_one_failing_request_fails_alone(deployments, name, reference_toke
     """Rounds of concurrent requests; in each, one random request fails at one random
     failpoint. Everything else equals the reference, and every block comes back."""
     rng = random.Random(11)
-    engine = stepped(deployments(name), local_prefill_threshold=12)
+    engine = engine_for(deployments(name), local_prefill_threshold=12)
     lens = (5, 70, 33, 130, 9, 64, 20)
     ps = prompts(3, lens)
     points = list(faults.POINTS)
@@ -255,7 +246,7 @@ def test_a_failure_in_the_same_prefill_step_keeps_the_other_handoff(deployments,
                                                                     reference_tokens):
     """Job A's last chunk runs, then job B raises in the same step: A's handoff (and
     its staged KV) survive, B fails, nothing leaks. This once leaked 253 of 256 blocks."""
-    engine = stepped(deployments("cpu-1p1d.yaml"), local_prefill_threshold=0)
+    engine = engine_for(deployments("cpu-1p1d.yaml"), local_prefill_threshold=0)
     pre = engine.prefillers[0]
     a, b = prompts(4, (20, 30))  # both fit one chunk budget: one step prefills both
     faults.arm("prefill.sample", "B")
@@ -294,7 +285,7 @@ def test_metrics_from_another_thread_never_touch_worker_state(deployments):
 
 
 def test_uncollected_results_expire(deployments, monkeypatch):
-    eng = stepped(deployments("cpu-1p1d.yaml"))
+    eng = engine_for(deployments("cpu-1p1d.yaml"))
     monkeypatch.setattr(eng, "MAX_UNCOLLECTED", 3)
     ids = [eng.submit([256, i + 1], SamplingParams(max_tokens=1)) for i in range(6)]
     eng.run_until_idle()
@@ -342,7 +333,7 @@ def test_a_lone_sequence_that_cannot_grow_fails_instead_of_looping(deployments):
 
 
 def test_capacity_counts_the_whole_pool(deployments):
-    eng = stepped(deployments("cpu-colocated.yaml"))
+    eng = engine_for(deployments("cpu-colocated.yaml"))
     w = eng.decoders[0]
     assert eng.max_context == min(w.inst.max_pages, w.blocks.num_blocks) * w.blocks.block_size
     eng.close()

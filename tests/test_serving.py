@@ -11,13 +11,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from serve_util import engine_for, prompts
 
 from jaxdisagg.mesh import Deployment, load_config
-from jaxdisagg.mesh.config import ModelSpec, RouterConfig
+from jaxdisagg.mesh.config import ModelSpec
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 from jaxdisagg.serve.engine import (
-    ColocatedEngine,
-    DisaggregatedEngine,
     QueueFull,
     UnknownRequestError,
 )
@@ -33,16 +32,6 @@ GPU_LAYOUTS = {"gpu-8-4p4d.yaml", "gpu-1-colocated.yaml"}
 CROSS_PROCESS = {"cpu-2proc.yaml"}
 # The real model (SmolLM2-135M): tests/test_smollm2.py checks each against transformers.
 SMOLLM2 = {"cpu-smollm2.yaml", "cpu-smollm2-colocated.yaml", "cpu-smollm2-2proc.yaml"}
-
-
-def prompts(seed, lens):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, n).tolist() for n in lens]
-
-
-def engine_for(dep, **router):
-    cls = ColocatedEngine if dep.config.mode == "colocated" else DisaggregatedEngine
-    return cls(dep, start=False, router=RouterConfig(**router) if router else None)
 
 
 def run(engine, arrivals, max_steps=3000):

@@ -341,14 +341,15 @@ class OpenAIFrontEnd:
         return {**head, "choices": choices,
                 "usage": self._usage([len(p) for p in prompts], results)}
 
-    def _chat_logprobs(self, r: Result) -> dict:
+    def _chat_token(self, token: int, logprob: float) -> dict:
         tok = self.engine.tokenizer
-        content = []
-        for t, lp in zip(r.token_ids, r.logprobs or [], strict=False):
-            piece = tok.decode([t]) if tok else str(t)
-            content.append({"token": piece, "logprob": lp, "bytes": list(piece.encode()),
-                            "top_logprobs": []})
-        return {"content": content}
+        piece = tok.decode([token]) if tok else str(token)
+        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode()),
+                "top_logprobs": []}
+
+    def _chat_logprobs(self, r: Result) -> dict:
+        return {"content": [self._chat_token(t, lp) for t, lp in
+                            zip(r.token_ids, r.logprobs or [], strict=False)]}
 
     # ------------------------------------------------------------ streaming
 
@@ -394,10 +395,7 @@ class OpenAIFrontEnd:
                     if chat:
                         lp = None
                         if req.logprobs and token is not None:
-                            piece = self.engine.tokenizer.decode([token])
-                            lp = {"content": [{"token": piece, "logprob": logprob,
-                                               "bytes": list(piece.encode()),
-                                               "top_logprobs": []}]}
+                            lp = {"content": [self._chat_token(token, logprob)]}
                         yield _sse({**head, "choices": [{"index": i, "delta": {
                             "content": delta}, "logprobs": lp, "finish_reason": None}]})
                     else:
