@@ -1,4 +1,4 @@
-"""The founding article's cost model as code (DESIGN.md section 1).
+"""The cost model of disaggregated serving as code (the roofline argument: README, "Why").
 
 One iteration of a model with P parameters of b bytes, T tokens in the iteration,
 B requests each holding L tokens of context, and K_tok KV bytes per token summed

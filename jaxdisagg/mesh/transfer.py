@@ -11,7 +11,7 @@ The copy goes shard by shard: each destination shard is assembled on its own
 device from single-device pieces of the source shards, then the pieces become
 one array with `make_array_from_single_device_arrays`. A plain `device_put` to a
 sharding with another shard count would go through host memory synchronously
-and stall on the producer (JAX_NOTES), killing layer-wise overlap.
+and stall on the producer (seen with jax 0.10), killing layer-wise overlap.
 
 Resharding handles any pair of `tp` degrees, including KV heads replicated on one
 side (tp > KV heads) and not on the other: every destination head is fetched

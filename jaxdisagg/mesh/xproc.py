@@ -8,7 +8,7 @@ gRPC (`control.py`) for the control messages.
   the receiver releases them, or until the lease runs out.
 * The receiver (decode process) checks the hash before any pull, pulls each piece
   onto one of its own devices under our own watchdog (a pull of a uuid nobody
-  offers hangs forever: JAX_NOTES), assembles them into its pool's sharding and
+  offers hangs forever, and cannot be cancelled), assembles them into its pool's sharding and
   scatters them in, then releases the offer.
 
 Per-piece offers make any pair of tensor-parallel degrees work: the receiver

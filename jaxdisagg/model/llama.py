@@ -5,7 +5,7 @@ Dimension letters in einsum strings and shape comments:
   N query heads   K KV heads   H head_dim   M = N*H
 
 Every layer keeps its own weight arrays (no stacked [L, ...] parameters): an
-unrolled loop over stacked weights decoded ~4x slower on XLA:CPU (JAX_NOTES).
+unrolled loop over stacked weights decoded ~4x slower on XLA:CPU (measured here).
 
 The model does not own a KV cache. Each attention layer hands its rotated q, k, v
 to an `attend` callback together with that layer's cache entry, and gets back the
