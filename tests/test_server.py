@@ -249,25 +249,6 @@ def test_server_ids_are_unguessable(client):
     assert len(ids) == 5 and all(re.fullmatch(r"jd-[0-9a-f]{32}", i) for i in ids)
 
 
-def test_health_and_info_answer_while_every_stream_is_taken(client):
-    """Streams are capped below the thread pool: health and Info never wait behind them
-    (a single non-reading client once made health checks fail for everyone)."""
-    calls = [client.stream([256, i], max_tokens=300, ignore_eos=True) for i in range(6)]
-    for c in calls:
-        next(c)
-    with Client(client.channel._channel.target().decode()) as other:
-        t0 = time.monotonic()
-        assert other.health() == "SERVING"
-        assert other.info().model == "tiny"
-        assert time.monotonic() - t0 < 5
-        with pytest.raises(grpc.RpcError) as e:
-            other.generate([256, 1], max_tokens=2)
-        assert e.value.code() == StatusCode.RESOURCE_EXHAUSTED
-    for c in calls:
-        c.cancel()
-    wait_drained(client)
-
-
 def test_a_client_that_stops_reading_is_cut_off(server, client):
     """A raw HTTP/2 client that grants a 64-byte window and never reads more: the
     server's sends block once the window is full. After --stall-timeout (2 s here)
@@ -385,12 +366,19 @@ def test_deadline_and_client_cancel_free_blocks(client):
 
 
 def test_full_queue_is_resource_exhausted(client):
+    """...while health and Info still answer at once: streams are capped below the thread
+    pool (a single non-reading client once made health checks fail for everyone)."""
     calls = [client.stream([256, i], max_tokens=300, ignore_eos=True) for i in range(6)]
     firsts = [next(c) for c in calls]  # six in flight: router.max_requests from --max-requests
     assert len(firsts) == 6
     with pytest.raises(grpc.RpcError) as e:
         client.generate([256, 1], max_tokens=2)
     assert e.value.code() == StatusCode.RESOURCE_EXHAUSTED
+    with Client(client.channel._channel.target().decode()) as other:
+        t0 = time.monotonic()
+        assert other.health() == "SERVING"
+        assert other.info().model == "tiny"
+        assert time.monotonic() - t0 < 5
     for c in calls:
         c.cancel()
     wait_drained(client)

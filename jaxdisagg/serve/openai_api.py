@@ -456,13 +456,7 @@ class OpenAIFrontEnd:
             if size is not None and size.isdigit() and int(size) > front.max_body_bytes:
                 return APIError(413, f"the body is {size} bytes, over the limit of "
                                      f"{front.max_body_bytes}", code="too_large").response()
-            try:
-                return await call_next(request)
-            except QueueFull as e:
-                return APIError(429, str(e), kind="rate_limit_error",
-                                code="engine_full").response()
-            except RuntimeError as e:  # the engine is closed
-                return APIError(503, str(e), kind="server_error").response()
+            return await call_next(request)
 
         @app.post("/v1/completions")
         async def completions(req: CompletionRequest, request: Request):
@@ -519,12 +513,15 @@ class OpenAIFrontEnd:
         return app
 
     async def _guarded(self, coro):
+        """The engine's refusals as OpenAI errors, in one place."""
         try:
             return await coro
-        except QueueFull as e:
+        except QueueFull as e:  # (a RuntimeError too: before the generic case)
             raise APIError(429, str(e), kind="rate_limit_error", code="engine_full") from None
         except ValueError as e:
             raise _bad_request(e) from None
+        except RuntimeError as e:  # the engine is closed
+            raise APIError(503, str(e), kind="server_error") from None
 
 
 class HTTPServer:
