@@ -4,10 +4,17 @@ import json
 
 import pytest
 from hf_util import make_hf_model, write_tokenizer_json
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxdisagg.model import get_preset
 from jaxdisagg.model.config import BYTE_BOS, BYTE_EOS
-from jaxdisagg.model.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from jaxdisagg.model.tokenizer import (
+    ByteTokenizer,
+    HFTokenizer,
+    IncrementalDecoder,
+    load_tokenizer,
+)
 from jaxdisagg.model.weights import load_model
 
 
@@ -60,3 +67,42 @@ def test_bad_tokenizer_file(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match="not a valid tokenizer.json"):
         HFTokenizer(tmp_path / "tokenizer.json", get_preset("tiny"))
+
+
+class _Counting:
+    """Wraps a tokenizer and records how many ids each decode call was given."""
+
+    def __init__(self, tok):
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(max_size=60), st.integers(0, 3))
+def test_incremental_decoder_streams_exactly_the_whole_decode(text, flush_late):
+    """Deltas (held-back partial characters included) add up to the whole decode."""
+    tok = ByteTokenizer(384)
+    ids = tok.encode(text, add_bos=False)
+    dec = IncrementalDecoder(tok)
+    out = "".join(dec.push(i) for i in ids) + dec.flush()
+    assert out == tok.decode(ids)
+
+
+def test_incremental_decoder_holds_a_split_character_then_releases_it():
+    tok = ByteTokenizer(384)
+    a, b = "é".encode()
+    dec = IncrementalDecoder(tok)
+    assert dec.push(ord("x")) == "x"
+    assert dec.push(a) == ""  # half a character: held
+    assert dec.push(b) == "é"
+
+
+def test_incremental_decoder_work_per_token_does_not_grow():
+    counting = _Counting(ByteTokenizer(384))
+    dec = IncrementalDecoder(counting)
+    for i in range(2000):
+        dec.push(ord("a") + i % 26)
+    assert max(counting.sizes) <= 2  # a window of the last tokens, not the whole output

@@ -202,3 +202,33 @@ def tokenizer_spec(reader, path: Path) -> GGUFTokenizerSpec | None:
         add_eos=bool(_value(reader, "tokenizer.ggml.add_eos_token", path, False)),
         add_space_prefix=bool(_value(reader, "tokenizer.ggml.add_space_prefix", path, False)),
         chat_template=_value(reader, "tokenizer.chat_template", path))
+
+
+def write_f32_gguf(src: str | Path, dst: str | Path) -> Path:
+    """A copy of GGUF `src` with every tensor dequantized to float32, names and
+    metadata kept: the same weights our loader computes with, for a peer (llama.cpp)
+    that should compute on exactly them."""
+    import gguf
+    from gguf import quants
+
+    src, dst = Path(src), Path(dst)
+    reader = _reader(src)
+    arch = _value(reader, "general.architecture", src, required=True)
+    writer = gguf.GGUFWriter(str(dst), arch)
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture",
+            "general.file_type"}
+    for key, field in reader.fields.items():
+        if key in skip:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for t in reader.tensors:
+        w = np.asarray(quants.dequantize(t.data, t.tensor_type), np.float32)
+        writer.add_tensor(t.name, w.reshape(tuple(int(d) for d in reversed(t.shape))))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst

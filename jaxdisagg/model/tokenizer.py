@@ -175,27 +175,33 @@ def load_tokenizer(checkpoint_dir: str | Path | None, config: LlamaConfig) -> To
 
 
 class IncrementalDecoder:
-    """Turns a growing list of ids into text deltas for streaming.
+    """Turns a growing list of ids into text deltas for streaming, in O(1) per token.
 
-    Decodes the whole list each time and emits what is new, holding back a
-    trailing U+FFFD: it usually means a multi-byte character is still incomplete.
+    Only a window is decoded each time: the ids from `prefix` (the start of the last
+    emitted token run) to the end. The text of `ids[prefix:read]` was emitted already;
+    what the window adds past it is new. Starting the window at an emitted token keeps
+    tokenizers that drop a leading space on the first token of a decode from dropping
+    it here. A window ending in U+FFFD is held back: a multi-byte character is usually
+    still incomplete, and the offsets only move on once it decodes cleanly.
     """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.emitted = 0
+        self.prefix = 0  # window start
+        self.read = 0  # ids before this are emitted
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
-        stable = len(text.rstrip("\ufffd"))
-        delta = text[self.emitted:stable]
-        self.emitted = max(self.emitted, stable)
-        return delta
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(done) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(done):]
 
     def flush(self) -> str:
-        text = self.tokenizer.decode(self.ids)
-        delta = text[self.emitted:]
-        self.emitted = len(text)
-        return delta
+        done = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(done):]
