@@ -141,3 +141,28 @@ def test_stop_token_and_cancel_free_blocks(tiny_model, inst):
     assert a.finish_reason == "stop" and a.tokens == free_run[:free_run.index(stop) + 1]
     mgr.check()
     assert mgr.num_available == mgr.num_blocks
+
+
+def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, inst,
+                                                                   monkeypatch):
+    """Decode runs the narrowest compiled block-table width that holds the longest
+    sequence in the batch (not max_pages), and the tokens do not depend on it."""
+    assert inst.table_widths == [1, 2, 4, 8]
+    widths, real = [], inst._decode
+
+    def spy(state, kv, tokens, positions, tables, lens, rows):
+        widths.append((tables.shape[1], int(lens.max())))
+        return real(state, kv, tokens, positions, tables, lens, rows)
+
+    monkeypatch.setattr(inst, "_decode", spy)
+    mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
+    sched = DecodeScheduler(inst, mgr)
+    ps = prompts(3, (3, 12))
+    params = SamplingParams(max_tokens=30)
+    done, _ = run(sched, [prefilled(inst, mgr, f"r{i}", p, params) for i, p in enumerate(ps)])
+    assert [done["r0"].tokens, done["r1"].tokens] == ReferenceGenerator(tiny_model).generate(
+        ps, params, stop_token_ids=[])
+    for width, longest in widths:
+        pages = -(-longest // BS)
+        assert width >= pages and (width == 1 or width // 2 < pages)
+    assert {w for w, _ in widths} == {2, 4, 8}  # 13 .. 41 tokens of 8 per page

@@ -29,11 +29,13 @@ from jaxdisagg.model.llama import Llama
 from jaxdisagg.model.paged import (
     KVLayout,
     KVPages,
-    decode_step,
+    decode_sample_step,
     prefill_chunk,
     prefill_chunk_group,
+    table_widths,
+    width_for,
 )
-from jaxdisagg.model.sampling import sample_rows
+from jaxdisagg.model.sampling import RowParams, row_params, sample_rows
 from jaxdisagg.pallas.attention import resolve_backend
 
 
@@ -75,9 +77,11 @@ class PoolInstance:
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))
         self._decode = jax.jit(
-            functools.partial(decode_step, graphdef, backend=self.backend, mesh=self.mesh),
-            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
-            out_shardings=(rep, kv_sh), donate_argnums=(1,))
+            functools.partial(decode_sample_step, graphdef, backend=self.backend,
+                              mesh=self.mesh),
+            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep, rep),
+            out_shardings=(rep, rep, kv_sh), donate_argnums=(1,))
+        self.table_widths = table_widths(self.max_pages)
         self.groups = layer_groups(self.config.num_layers,
                                    layer_group_size or self.config.num_layers)
         self._group_fns = [
@@ -124,11 +128,16 @@ class PoolInstance:
         return out
 
     def decode(self, tokens: np.ndarray, positions: np.ndarray, block_tables: np.ndarray,
-               seq_lens: np.ndarray) -> jax.Array:
-        """One step for max_slots slots -> fp32 logits [B, V]."""
-        logits, self.kv = self._decode(self.state, self.kv, tokens, positions, block_tables,
-                                       seq_lens)
-        return logits
+               seq_lens: np.ndarray, rows: RowParams) -> tuple[jax.Array, jax.Array]:
+        """One step for max_slots slots, sampled on device -> (tokens [B], logprobs [B]).
+
+        The block tables are cut to the narrowest compiled width that holds the
+        longest sequence, so attention reads what the batch holds, not max_pages."""
+        pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
+        width = width_for(max(pages, 1), self.table_widths)
+        new, logprobs, self.kv = self._decode(self.state, self.kv, tokens, positions,
+                                              block_tables[:, :width], seq_lens, rows)
+        return new, logprobs
 
     # ---------------------------------------------------------------- host cache
 
@@ -170,8 +179,11 @@ class PoolInstance:
                 sample_rows(out[None], [None], [0])
         if decode:
             zeros = np.zeros(b, np.int32)
-            logits = self.decode(zeros, zeros, np.tile(table, (b, 1)), zeros)
-            sample_rows(logits, [None] * b, [0] * b)  # the serving loop samples on device
+            rows = row_params([None] * b, 0, self.config.vocab_size)
+            for width in self.table_widths:  # one program per table width
+                lens = np.full(b, width * self.layout.block_size, np.int32)
+                jax.block_until_ready(self.decode(zeros, zeros, np.tile(table, (b, 1)), lens,
+                                                  rows))
         if self.pool.host_cache_blocks:
             self.write_block(self.read_block(0), 0)
         self.kv = self._allocate()  # warm-up wrote into the last block: start clean

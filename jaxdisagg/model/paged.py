@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from jaxdisagg.model.config import LlamaConfig
 from jaxdisagg.model.llama import Llama
+from jaxdisagg.model.sampling import RowParams, sample_with_logprobs
 from jaxdisagg.pallas.attention import decode_attention, prefill_attention
 
 
@@ -189,6 +190,30 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
     x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],
                                  _split_kv(kv, 0, len(kv.k)), attend)
     return model.logits(x[:, 0]), _join_kv(caches)
+
+
+def decode_sample_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,
+                       tokens: jax.Array, positions: jax.Array, block_tables: jax.Array,
+                       seq_lens: jax.Array, rows: RowParams, *, backend: str = "reference",
+                       mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, KVPages]:
+    """`decode_step` with each row's next token sampled in the same program:
+    returns (tokens [B] int32, logprobs [B] fp32, updated pages). Only 2B numbers
+    leave the device per step, and the host dispatches one program, not three."""
+    logits, kv = decode_step(graphdef, state, kv, tokens, positions, block_tables, seq_lens,
+                             backend=backend, mesh=mesh)
+    new, logprobs = sample_with_logprobs(logits, rows)
+    return new, logprobs, kv
+
+
+def table_widths(max_pages: int, count: int = 4) -> list[int]:
+    """The block-table widths decode programs are compiled for: max_pages, then
+    halves of it (at most `count`). Attention reads every page a table lists, so
+    a batch of short sequences runs the narrowest width that holds its longest."""
+    return sorted({max(1, max_pages >> k) for k in range(count)})
+
+
+def width_for(pages: int, widths: list[int]) -> int:
+    return next(w for w in widths if w >= pages)
 
 
 class ServingFns(NamedTuple):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,13 +103,42 @@ def sample(logits, keys, temperature, top_k, top_p):
     return _sample_batch(logits, keys, temperature, top_k, top_p)
 
 
-@jax.jit
-def sample_logprobs(logits, keys, temperature, top_k, top_p):
-    """Like `sample`, plus each chosen token's log-probability under the model's
-    (unfiltered, temperature 1) distribution: tokens [B] int32, logprobs [B] fp32."""
-    tokens = _sample_batch(logits, keys, temperature, top_k, top_p)
+class RowParams(NamedTuple):
+    """Per-row sampling inputs as arrays [B], ready to pass into a jitted program."""
+
+    seed_lo: np.ndarray  # uint32
+    seed_hi: np.ndarray  # uint32
+    steps: np.ndarray  # uint32: the index of the token each row draws
+    temperature: np.ndarray
+    top_k: np.ndarray
+    top_p: np.ndarray
+
+
+def row_params(params: list[SamplingParams | None], steps, vocab: int) -> RowParams:
+    """Packs B rows' params (None: an empty row, sampled greedily and ignored)."""
+    b = len(params)
+    temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
+    top_k, seeds = np.zeros(b, np.int32), [0] * b
+    for i, p in enumerate(params):
+        if p is not None:  # a top_k past the vocabulary keeps everything, as 0 does
+            temperature[i], top_k[i], top_p[i] = p.temperature, min(p.top_k, vocab), p.top_p
+            seeds[i] = p.seed
+    lo, hi = _split_seeds(seeds)
+    steps = np.broadcast_to(np.asarray(steps, np.uint32), lo.shape).copy()
+    return RowParams(lo, hi, steps, temperature, top_k, top_p)
+
+
+def sample_with_logprobs(logits, rows: RowParams):
+    """Traceable: tokens [B] int32 and each chosen token's log-probability under the
+    model's (unfiltered, temperature 1) distribution. Serving programs call it inside
+    their own jit, so only B ids and B floats leave the device."""
+    keys = _keys(rows.seed_lo, rows.seed_hi, rows.steps)
+    tokens = _sample_batch(logits, keys, rows.temperature, rows.top_k, rows.top_p)
     logp = jax.nn.log_softmax(logits, axis=-1)
     return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+
+
+_sample_jit = jax.jit(sample_with_logprobs)
 
 
 def sample_rows(logits, params: list[SamplingParams | None], steps: list[int]):
@@ -117,20 +147,11 @@ def sample_rows(logits, params: list[SamplingParams | None], steps: list[int]):
     Returns numpy (tokens [B], logprobs [B]). Token `steps[i]` of row i's request
     draws with the key `row_keys` gives (seed, step): the convention every engine shares.
     """
-    b, vocab = len(params), logits.shape[-1]
-    temperature, top_p = np.zeros(b, np.float32), np.ones(b, np.float32)
-    top_k, seeds = np.zeros(b, np.int32), [0] * b
-    for i, p in enumerate(params):
-        if p is not None:  # a top_k past the vocabulary keeps everything, as 0 does
-            temperature[i], top_k[i], top_p[i] = p.temperature, min(p.top_k, vocab), p.top_p
-            seeds[i] = p.seed
-    tokens, logprobs = sample_logprobs(logits, row_keys(seeds, np.asarray(steps, np.int32)),
-                                       temperature, top_k, top_p)
+    tokens, logprobs = _sample_jit(logits, row_params(params, steps, logits.shape[-1]))
     return np.asarray(tokens), np.asarray(logprobs)
 
 
-@jax.jit
-def _row_keys(lo, hi, steps):
+def _keys(lo, hi, steps):
     def one(lo, hi, i):
         key = jax.random.key(lo)
         # The high half joins the key only when set, so 32-bit seeds keep their streams.
@@ -142,6 +163,16 @@ def _row_keys(lo, hi, steps):
     return jax.vmap(one)(lo, hi, steps)
 
 
+_row_keys = jax.jit(_keys)
+
+
+def _split_seeds(seeds) -> tuple[np.ndarray, np.ndarray]:
+    """ints in [0, 2^64) -> 32-bit halves (JAX runs without 64-bit types)."""
+    wide = np.asarray([int(s) for s in seeds], np.uint64)
+    lo = (wide & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    return lo, (wide >> np.uint64(32)).astype(np.uint32)
+
+
 def row_keys(seeds, steps):
     """One key per row: fold the index of the token being drawn into the row's own seed.
 
@@ -151,8 +182,6 @@ def row_keys(seeds, steps):
     request always uses the same key, whichever engine or batch draws it.
     """
     seeds = list(seeds) if isinstance(seeds, (list, tuple)) else np.ravel(seeds).tolist()
-    wide = np.asarray([int(s) for s in seeds], np.uint64)
-    lo = (wide & np.uint64(0xFFFFFFFF)).astype(np.uint32)
-    hi = (wide >> np.uint64(32)).astype(np.uint32)
+    lo, hi = _split_seeds(seeds)
     steps = np.broadcast_to(np.asarray(steps, np.uint32), lo.shape)
     return _row_keys(lo, hi, steps)

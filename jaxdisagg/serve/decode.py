@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxdisagg.mesh.pool import PoolInstance
-from jaxdisagg.model.sampling import SamplingParams, sample_rows
+from jaxdisagg.model.sampling import SamplingParams, row_params
 from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 
@@ -153,8 +153,9 @@ class DecodeScheduler:
             active.append((i, seq))
         if not active:
             return StepResult([], [], preempted, failed)
-        logits = self.inst.decode(tokens, positions, tables, lens)
-        new, logprobs = sample_rows(logits, params, steps)
+        new, logprobs = self.inst.decode(tokens, positions, tables, lens,
+                                         row_params(params, steps, self.inst.config.vocab_size))
+        new, logprobs = np.asarray(new), np.asarray(logprobs)
         out, finished = [], []
         for i, seq in active:
             try:
