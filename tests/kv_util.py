@@ -6,6 +6,7 @@ import numpy as np
 
 from jaxdisagg.mesh.config import PoolConfig
 from jaxdisagg.mesh.pool import PoolInstance
+from jaxdisagg.model.sampling import row_params
 
 
 def make_pool(model, devices, tp, group=2, backend="auto"):
@@ -33,9 +34,10 @@ def decode_greedy(inst, first_token, prompt_len, blocks, steps):
     tables = np.zeros((b, p), np.int32)
     tables[1, :len(blocks)] = blocks
     out = [first_token]
+    greedy = row_params([None] * b, 0, inst.config.vocab_size)
     for pos in range(prompt_len, prompt_len + steps - 1):
         tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
         tokens[1], positions[1], lens[1] = out[-1], pos, pos + 1
-        logits = inst.decode(tokens, positions, tables, lens)
-        out.append(int(np.argmax(np.asarray(logits)[1])))
+        new, _ = inst.decode(tokens, positions, tables, lens, greedy)  # the served program
+        out.append(int(np.asarray(new)[1]))
     return out

@@ -58,6 +58,28 @@ def test_generate_matches_reference_text_and_ids(engine):
     all_blocks_back(engine)
 
 
+def test_short_prompts_are_prefilled_in_small_buckets(engine):
+    """64 prompts of 16-64 tokens: prefill pads each chunk to the smallest compiled
+    bucket, not chunk_size, so executed tokens stay within 1.25x the real ones."""
+    def counts():
+        pools = engine.metrics()["pools"].values()
+        return (sum(g.get("prefill_tokens", 0) for g in pools),
+                sum(g.get("prefill_tokens_executed", 0) for g in pools))
+
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in rng.integers(16, 65, 64)]
+    params = SamplingParams(max_tokens=2)
+    real0, executed0 = counts()
+    results = engine.generate(prompts, params)
+    wait_idle(engine)
+    real, executed = (a - b for a, b in zip(counts(), (real0, executed0), strict=True))
+    assert real == sum(map(len, prompts))
+    assert executed <= 1.25 * real, (executed, real)
+    want = ReferenceGenerator(engine.deployment.model).generate(prompts, params)
+    assert [r.token_ids for r in results] == want
+    all_blocks_back(engine)
+
+
 def test_stream_yields_tokens_as_they_come(engine):
     params = SamplingParams(max_tokens=5)
     got = [tok for tok, _ in engine.stream([256, 40, 41, 42], params)]

@@ -162,7 +162,7 @@ def test_model_with_pallas_interpret_matches_reference(tiny_model, tp):
         pos = len(prompt) + step - 1
         tokens, positions, lens = (np.zeros(inst.pool.max_slots, np.int32) for _ in range(3))
         tokens[0], positions[0], lens[0] = want[step - 1][0], pos, pos + 1
-        logits = np.asarray(inst.decode(tokens, positions, tables, lens))
+        logits = np.asarray(inst.decode_logits(tokens, positions, tables, lens))
         np.testing.assert_allclose(logits[0], ref_logits[step][0], atol=1e-5, rtol=0)
         assert int(logits[0].argmax()) == want[step][0]
 

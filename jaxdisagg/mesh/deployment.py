@@ -26,7 +26,7 @@ from jaxdisagg.mesh.config import (
     load_config,
     place_pools,
 )
-from jaxdisagg.mesh.pool import PoolInstance
+from jaxdisagg.mesh.pool import PoolInstance, bucket_for
 from jaxdisagg.mesh.transfer import InFlightKV, InProcessTransfer, TransferStats
 from jaxdisagg.model.llama import Llama
 from jaxdisagg.model.tokenizer import Tokenizer
@@ -106,10 +106,10 @@ def block_table(inst: PoolInstance, blocks: Sequence[int]) -> np.ndarray:
 def chunk_at(inst: PoolInstance, prompt: Sequence[int], start: int,
              limit: int | None = None) -> tuple[np.ndarray, int]:
     """The chunk of `prompt` starting at `start` (at most `limit` tokens), padded to
-    chunk_size; and its real length."""
+    the smallest compiled chunk bucket that holds it; and its real length."""
     size = inst.pool.chunk_size if limit is None else min(limit, inst.pool.chunk_size)
     piece = prompt[start:start + size]
-    tokens = np.zeros(inst.pool.chunk_size, np.int32)
+    tokens = np.zeros(bucket_for(len(piece), inst.chunk_buckets), np.int32)
     tokens[:len(piece)] = piece
     return tokens, len(piece)
 

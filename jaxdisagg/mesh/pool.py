@@ -30,6 +30,7 @@ from jaxdisagg.model.paged import (
     KVLayout,
     KVPages,
     decode_sample_step,
+    decode_step,
     prefill_chunk,
     prefill_chunk_group,
     table_widths,
@@ -37,6 +38,23 @@ from jaxdisagg.model.paged import (
 )
 from jaxdisagg.model.sampling import RowParams, row_params, sample_rows
 from jaxdisagg.pallas.attention import resolve_backend
+
+
+def chunk_buckets(chunk_size: int, step: int = 16, fine_up_to: int = 64) -> list[int]:
+    """The token counts prefill programs are compiled for: multiples of `step` up to
+    `fine_up_to` (short prompts pad by less than one step), then doubling up to
+    chunk_size. A chunk runs in the smallest bucket that holds it, so a 20-token
+    prompt costs a 32-token pass, not a chunk_size one."""
+    sizes = set(range(step, min(fine_up_to, chunk_size) + 1, step))
+    size = fine_up_to * 2
+    while size < chunk_size:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes | {chunk_size})
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= n)
 
 
 def layer_groups(num_layers: int, group_size: int) -> list[range]:
@@ -81,7 +99,12 @@ class PoolInstance:
                               mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sh), donate_argnums=(1,))
+        self._decode_logits = jax.jit(
+            functools.partial(decode_step, graphdef, backend=self.backend, mesh=self.mesh),
+            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
+            out_shardings=(rep, kv_sh), donate_argnums=(1,))  # compiled on first use
         self.table_widths = table_widths(self.max_pages)
+        self.chunk_buckets = chunk_buckets(pool.chunk_size)
         self.groups = layer_groups(self.config.num_layers,
                                    layer_group_size or self.config.num_layers)
         self._group_fns = [
@@ -111,7 +134,8 @@ class PoolInstance:
 
     def prefill(self, tokens: np.ndarray, start: int, num_valid: int,
                 block_table: np.ndarray) -> jax.Array:
-        """One chunk (tokens padded to chunk_size) -> fp32 logits [V] of its last real token."""
+        """One chunk (tokens padded to a chunk bucket) -> fp32 logits [V] of its last real
+        token."""
         logits, self.kv = self._prefill(self.state, self.kv, tokens, np.int32(start),
                                         np.int32(num_valid), block_table)
         return logits
@@ -138,6 +162,13 @@ class PoolInstance:
         new, logprobs, self.kv = self._decode(self.state, self.kv, tokens, positions,
                                               block_tables[:, :width], seq_lens, rows)
         return new, logprobs
+
+    def decode_logits(self, tokens: np.ndarray, positions: np.ndarray,
+                      block_tables: np.ndarray, seq_lens: np.ndarray) -> jax.Array:
+        """The same step returning fp32 logits [B, V] (tests and tools; not served)."""
+        logits, self.kv = self._decode_logits(self.state, self.kv, tokens, positions,
+                                              block_tables, seq_lens)
+        return logits
 
     # ---------------------------------------------------------------- host cache
 
@@ -167,9 +198,9 @@ class PoolInstance:
 
     def warmup(self, prefill: bool = True, decode: bool = True, streaming: bool = True) -> None:
         """Compiles every program this instance serves with (on throwaway pages)."""
-        c, p, b = self.pool.chunk_size, self.max_pages, self.pool.max_slots
+        p, b = self.max_pages, self.pool.max_slots
         table = np.full(p, self.layout.num_blocks - 1, np.int32)
-        if prefill:
+        for c in self.chunk_buckets if prefill else ():  # one program per chunk bucket
             tokens = np.zeros(c, np.int32)
             sample_rows(self.prefill(tokens, 0, 1, table)[None], [None], [0])
             if streaming and len(self.groups) > 1:  # layer streaming on

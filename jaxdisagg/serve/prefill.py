@@ -70,6 +70,8 @@ class PrefillScheduler:
         self.queue: deque[PrefillJob] = deque()
         self.failed: list[tuple[PrefillJob, Exception]] = []  # the caller reports and clears
         self.on_start: Callable[[PrefillJob], None] | None = None  # lifecycle hook
+        self.tokens_real = 0  # prompt tokens prefilled
+        self.tokens_executed = 0  # the same, with each chunk's padding to its bucket
 
     @property
     def capacity(self) -> int:
@@ -125,6 +127,13 @@ class PrefillScheduler:
                 if job.next_pos < 0 and not (may_start(job) and self._start(job)):
                     break
                 size = min(budget, self.inst.pool.chunk_size)
+                if job.next_pos + size < len(job.prompt):
+                    # A piece that is not the prompt's last fills a bucket exactly, so only
+                    # a prompt's last chunk is ever padded; a budget left smaller than
+                    # the smallest bucket waits for the next step.
+                    size = max((b for b in self.inst.chunk_buckets if b <= size), default=0)
+                    if size == 0:
+                        break
                 last = job.next_pos + size >= len(job.prompt)
                 if last and not may_finish(job):
                     break
@@ -132,6 +141,8 @@ class PrefillScheduler:
                 table = block_table(self.inst, job.blocks)
                 start = job.next_pos
                 tokens, n = chunk_at(self.inst, job.prompt, start, size)
+                self.tokens_real += n
+                self.tokens_executed += len(tokens)
                 job.next_pos += n
                 budget -= n
                 if not last:

@@ -124,6 +124,10 @@ class _Worker:
         block table's reach, and never more than the whole pool."""
         return min(self.inst.max_pages, self.blocks.num_blocks) * self.blocks.block_size
 
+    def _prefill_tokens(self) -> dict:
+        return {"prefill_tokens": self.scheduler.tokens_real,
+                "prefill_tokens_executed": self.scheduler.tokens_executed}
+
     def prefix_hit(self, prompt) -> int:
         return self.blocks.peek_prefix(prompt)
 
@@ -249,7 +253,7 @@ class PrefillWorker(_Worker):
 
     def _gauges(self) -> dict:
         return {"queued_requests": len(self.scheduler.queue),
-                "queued_tokens": self.scheduler.queued_tokens(),
+                "queued_tokens": self.scheduler.queued_tokens(), **self._prefill_tokens(),
                 **self.blocks.gauges(),
                 "transfer_bytes": self.bytes_sent, "transfers": self.transfers_done}
 
@@ -446,7 +450,7 @@ class DecodeWorker(_Worker):
 
     def _gauges(self) -> dict:
         return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
-                "local_prefill_queued": len(self.scheduler.queue),
+                "local_prefill_queued": len(self.scheduler.queue), **self._prefill_tokens(),
                 "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
                 **self.blocks.gauges(), "transfer_bytes_received": self.bytes_received,
                 "transfer_failures": self.transfer_failures}

@@ -1,0 +1,125 @@
+"""Host overhead of the decode loop: the engine's time per step against the bare program.
+
+    python benchmarks/overhead.py [--slots 32 --new 1024 --preset tiny --rounds 3]
+
+The `tiny` preset's decode step takes a few milliseconds, as a GPU's does, so what the
+engine adds around it (building inputs, admitting, emitting tokens, detokenizing,
+stop strings, metrics) shows. One colocated instance on one CPU device serves
+`--slots` requests of 16-token prompts, each generating exactly `--new` tokens, all
+at once. The engine's step time is the median time between a request's tokens
+(every slot gets one token per step); the bare step is the same jitted program
+called in a loop with the same batch, block-table width and context, its tokens
+copied to the host as the engine does. Both are taken in an early window (tokens
+64-192) and a late one (the last 128 tokens), to show whether any per-token cost
+grows with the output. Rounds alternate engine and bare runs; the table gives the
+median and range of the ratio. Writes benchmarks/results/overhead.json.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+from common import write_result  # noqa: E402
+
+from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig  # noqa: E402
+from jaxdisagg.model import SamplingParams  # noqa: E402
+from jaxdisagg.model.sampling import row_params  # noqa: E402
+from jaxdisagg.serve.engine import Engine  # noqa: E402
+
+PROMPT, BS = 16, 16
+
+
+def config(model: str, slots: int, new: int) -> DeploymentConfig:
+    pages = -(-(PROMPT + new + 1) // BS)
+    pool = PoolConfig(devices=[0], tp=1, block_size=BS, num_blocks=slots * pages + 8,
+                      max_slots=slots, chunk_size=256, max_pages_per_request=pages)
+    return DeploymentConfig(mode="colocated", model=ModelSpec(model, "float32"), colocated=pool)
+
+
+def windows(new: int) -> dict[str, tuple[int, int]]:
+    return {"early": (64, min(192, new // 2)), "late": (new - 128, new)}
+
+
+def engine_round(engine: Engine, prompts, new: int) -> dict[str, float]:
+    params = SamplingParams(max_tokens=new)
+    ids = [engine.submit(p, params, stop_token_ids=[]) for p in prompts]
+    results = [engine.result(rid) for rid in ids]
+    assert all(len(r.token_ids) == new for r in results)
+    return {name: statistics.median(t for r in results for t in r.tbt_s[lo:hi])
+            for name, (lo, hi) in windows(new).items()}
+
+
+def bare_round(inst, slots: int, new: int, steps: int = 64) -> dict[str, float]:
+    """The same program, batch and context as the engine's window, in a tight loop."""
+    pages = inst.max_pages
+    tables = np.arange(slots * pages, dtype=np.int32).reshape(slots, pages)
+    rows = row_params([SamplingParams()] * slots, 1, inst.config.vocab_size)
+    out = {}
+    for name, (lo, hi) in windows(new).items():
+        tokens = np.ones(slots, np.int32)
+        times = []
+        for i in range(steps):  # walk the window's contexts, as the engine did
+            pos = np.full(slots, PROMPT + lo + i * (hi - lo) // steps, np.int32)
+            t = time.perf_counter()
+            new_tokens, logprobs = inst.decode(tokens, pos, tables, pos + 1, rows)
+            np.asarray(new_tokens), np.asarray(logprobs)
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", "--preset", dest="model", default="tiny")
+    p.add_argument("--slots", type=int, default=32)
+    p.add_argument("--new", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--out", default="benchmarks/results/overhead.json")
+    args = p.parse_args(argv)
+
+    engine = Engine.from_config(config(args.model, args.slots, args.new))
+    inst = engine.decoders[0].inst
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, min(250, engine.vocab_size), PROMPT).tolist()
+               for _ in range(args.slots)]
+    rounds = []
+    with engine:
+        engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # first calls, excluded
+        for _ in range(args.rounds):  # alternate: engine, then the bare loop
+            eng = engine_round(engine, prompts, args.new)
+            # The engine's thread is idle now; the bare loop uses its instance.
+            bare = bare_round(inst, args.slots, args.new)
+            rounds.append({"engine_s": eng, "bare_s": bare,
+                           "ratio": {k: eng[k] / bare[k] for k in eng}})
+
+    print(f"\n{args.model} fp32, {args.slots} slots x {args.new} new tokens, "
+          f"{args.rounds} rounds ({platform.machine()}, {os.cpu_count()} cores)\n")
+    print(f"{'window':<8}{'engine step ms':>16}{'bare step ms':>14}{'engine / bare':>24}")
+    summary = {}
+    for name in windows(args.new):
+        eng = [r["engine_s"][name] * 1e3 for r in rounds]
+        bare = [r["bare_s"][name] * 1e3 for r in rounds]
+        ratio = [r["ratio"][name] for r in rounds]
+        summary[name] = {"engine_ms": statistics.median(eng), "bare_ms": statistics.median(bare),
+                         "ratio_median": statistics.median(ratio),
+                         "ratio_range": [min(ratio), max(ratio)]}
+        print(f"{name:<8}{statistics.median(eng):>16.2f}{statistics.median(bare):>14.2f}"
+              f"{statistics.median(ratio):>12.3f}x [{min(ratio):.3f}-{max(ratio):.3f}]")
+    print("\nmedian [range] over rounds; target: engine / bare <= 1.10 in both windows")
+    write_result(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(),
+                            "cores": os.cpu_count(), "args": vars(args), "rounds": rounds,
+                            "summary": summary})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
