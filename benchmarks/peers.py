@@ -1,0 +1,354 @@
+"""The same real model through jaxdisagg, HF transformers and llama.cpp, side by side.
+
+    pip install -e '.[peers]'    # llama-cpp-python (built from source), torch, transformers
+    python benchmarks/peers.py [--rounds 3] [--out benchmarks/results/peers.json]
+
+SmolLM2-135M-Instruct (`jaxdisagg fetch smollm2`), fp32 for everyone: our loader
+dequantizes the GGUF to fp32, transformers loads the same GGUF the same way, and
+llama.cpp gets an F32 GGUF written from exactly those tensors. llama.cpp runs twice:
+in its default settings and all-fp32 (KV cache f32, flash attention off: its CPU
+flash attention rounds K/V to f16).
+
+Correctness first: last-token logits of a chat prompt against ours, and 32 greedy
+tokens. Then, alternating the systems in every round (the order rotates):
+
+* prefill of 512 tokens;
+* decode B=1 at 512 tokens of context (one step); B=8 for ours and transformers
+  (llama-cpp-python decodes one sequence per context);
+* serving: 16 prompts of 256 tokens, 64 new tokens each, all submitted at once to
+  both our engines (one CPU device each for prefill and decode, or one colocated
+  instance); llama.cpp answers them one after another, the way one
+  llama-cpp-python context serves.
+
+Prints medians and [ranges] over rounds of times and of the ratios ours / peer
+(below 1: ours is faster), and writes JSON. This machine is noisy: read ratios
+within a round, and a ratio whose range straddles 1.0 as no difference.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                           + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from common import median_seconds, write_result  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig, TransferConfig  # noqa: E402,E501
+from jaxdisagg.model import KVLayout, ReferenceGenerator, SamplingParams, jit_serving_fns  # noqa: E402,E501
+from jaxdisagg.model.fetch import fetch  # noqa: E402
+from jaxdisagg.model.gguf import write_f32_gguf  # noqa: E402
+from jaxdisagg.model.weights import load_model  # noqa: E402
+from jaxdisagg.serve.engine import Engine  # noqa: E402
+
+CONTEXT, BS, NEW_CHECK = 512, 16, 32
+SERVE_REQUESTS, SERVE_PROMPT, SERVE_NEW = 16, 256, 64
+THREADS = os.cpu_count()
+
+
+# ------------------------------------------------------------------------ ours
+
+class Ours:
+    name = "jaxdisagg"
+
+    def __init__(self, model):
+        self.model = model
+        cfg = model.config
+        graphdef, self.state = nnx.split(model)
+        self.fns = jit_serving_fns(graphdef)
+        pages = CONTEXT // BS + 1
+        self.layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BS)
+        self.kv = self.layout.allocate()
+        self.tables = np.arange(8 * pages, dtype=np.int32).reshape(8, pages)
+        rng = np.random.default_rng(0)
+        self.prompt = rng.integers(0, cfg.vocab_size, CONTEXT).astype(np.int32)
+        for slot in range(8):  # every slot holds a real 512-token context
+            self._prefill(slot)
+
+    def _prefill(self, slot=0):
+        logits, self.kv = self.fns.prefill(self.state, self.kv, self.prompt, jnp.int32(0),
+                                           jnp.int32(CONTEXT), self.tables[slot])
+        logits.block_until_ready()
+
+    def prefill_s(self, repeats):
+        return median_seconds(self._prefill, repeats)
+
+    def decode_s(self, b, repeats):
+        tokens = np.ones(b, np.int32)
+        pos = np.full(b, CONTEXT, np.int32)
+
+        def step():
+            logits, self.kv = self.fns.decode(self.state, self.kv, tokens, pos,
+                                              self.tables[:b], pos + 1)
+            logits.block_until_ready()
+
+        return median_seconds(step, repeats)
+
+
+def serving_configs() -> dict[str, DeploymentConfig]:
+    pages = -(-(SERVE_PROMPT + SERVE_NEW) // BS) + 1
+    pool = PoolConfig(tp=1, block_size=BS, num_blocks=SERVE_REQUESTS * pages + 16,
+                      chunk_size=256, max_pages_per_request=pages,
+                      max_slots=SERVE_REQUESTS)
+    model = ModelSpec("smollm2", "float32")
+    return {
+        "disaggregated": DeploymentConfig(
+            mode="disaggregated", model=model,
+            prefill=dataclasses.replace(pool, devices=[0], max_slots=1),
+            decode=dataclasses.replace(pool, devices=[1]),
+            transfer=TransferConfig(layer_streaming=True, layer_group_size=6)),
+        "colocated": DeploymentConfig(mode="colocated", model=model,
+                                      colocated=dataclasses.replace(pool, devices=[0])),
+    }
+
+
+def serve_ours(engine, prompts):
+    params = SamplingParams(max_tokens=SERVE_NEW)
+    t = time.perf_counter()
+    ids = [engine.submit(p, params, stop_token_ids=[]) for p in prompts]
+    results = [engine.result(rid) for rid in ids]
+    wall = time.perf_counter() - t
+    return wall, [r.token_ids for r in results]
+
+
+# ------------------------------------------------------------------------ peers
+
+class LlamaCpp:
+    def __init__(self, path, fp32: bool):
+        from llama_cpp import Llama
+
+        self.name = "llama.cpp " + ("fp32" if fp32 else "default")
+        kwargs = dict(flash_attn=False, type_k=0, type_v=0) if fp32 else {}  # 0: GGML F32
+        self.m = Llama(str(path), n_ctx=CONTEXT + 64, n_batch=CONTEXT, n_threads=THREADS,
+                       verbose=False, **kwargs)
+        self.prompt = np.random.default_rng(0).integers(0, 49152, CONTEXT).tolist()
+
+    def prefill_s(self, repeats):
+        def run():
+            self.m.reset()
+            self.m.eval(self.prompt)
+
+        return median_seconds(run, repeats)
+
+    def decode_s(self, repeats):
+        self.m.reset()
+        self.m.eval(self.prompt)
+        times = []
+        for _ in range(repeats):
+            t = time.perf_counter()
+            self.m.eval([1])
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    def _logits(self):
+        """The last evaluated token's logits (without logits_all, `scores` stays empty)."""
+        import llama_cpp
+
+        ptr = llama_cpp.llama_get_logits_ith(self.m._ctx.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(self.m.n_vocab(),)).copy()
+
+    def last_logits(self, ids):
+        self.m.reset()
+        self.m.eval(ids)
+        return self._logits()
+
+    def greedy(self, ids, n):
+        self.m.reset()
+        self.m.eval(ids)
+        out = []
+        for _ in range(n):
+            tok = int(np.argmax(self._logits()))
+            out.append(tok)
+            self.m.eval([tok])
+        return out
+
+    def serve(self, prompts):
+        t = time.perf_counter()
+        outs = [self.greedy(p, SERVE_NEW) for p in prompts]
+        return time.perf_counter() - t, outs
+
+
+class HF:
+    name = "transformers"
+
+    def __init__(self, gguf):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.m = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+        self.prompt = torch.tensor(
+            np.random.default_rng(0).integers(0, 49152, (1, CONTEXT)))
+
+    def prefill_s(self, repeats):
+        with self.torch.no_grad():
+            return median_seconds(lambda: self.m(self.prompt, use_cache=False), repeats)
+
+    def decode_s(self, b, repeats=2):
+        kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+        batch = self.prompt.repeat(b, 1)
+        with self.torch.no_grad():
+            full = median_seconds(lambda: self.m.generate(batch, max_new_tokens=17, **kw),
+                                  repeats)
+            first = median_seconds(lambda: self.m.generate(batch, max_new_tokens=1, **kw),
+                                   repeats)
+        return (full - first) / 16
+
+    def last_logits(self, ids):
+        with self.torch.no_grad():
+            return self.m(self.torch.tensor([ids])).logits[0, -1].float().numpy()
+
+    def greedy(self, ids, n):
+        with self.torch.no_grad():
+            out = self.m.generate(self.torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+        return out[0, len(ids):].tolist()
+
+
+# ------------------------------------------------------------------------ main
+
+def spread(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def fmt(s):
+    def g(x):
+        return f"{x:.3f}" if x < 10 else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+    return f"{g(s['median'])} [{g(s['min'])}-{g(s['max'])}]"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--no-serving", action="store_true", help="skip the serving workload")
+    p.add_argument("--out", default="benchmarks/results/peers.json")
+    args = p.parse_args(argv)
+
+    gguf = fetch("smollm2", quiet=True)
+    f32 = Path(tempfile.gettempdir()) / "jaxdisagg-smollm2-f32.gguf"
+    if not f32.exists():
+        write_f32_gguf(gguf, f32)
+    model, tok = load_model(str(gguf), jnp.float32)
+    ours, hf = Ours(model), HF(gguf)
+    lcpp = {"default": LlamaCpp(f32, fp32=False), "fp32": LlamaCpp(f32, fp32=True)}
+
+    # Correctness: logits and greedy tokens on a chat prompt.
+    chat = tok.encode(tok.chat_template.render(
+        [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]))
+    ref = ReferenceGenerator(model)
+    want = ref.generate([chat], SamplingParams(max_tokens=NEW_CHECK), stop_token_ids=[])[0]
+    logits_ours = []
+    list(ref.stream([chat], SamplingParams(max_tokens=1), stop_token_ids=[],
+                    logits_out=logits_ours))
+    mine = np.asarray(logits_ours[0][0])
+    check = {}
+    for name, peer in (("transformers", hf), *((f"llama.cpp {k}", v) for k, v in lcpp.items())):
+        theirs = peer.last_logits(chat)
+        check[name] = {"max_abs_logit_diff": float(np.abs(theirs - mine).max()),
+                       "same_greedy_tokens": peer.greedy(chat, NEW_CHECK) == want}
+        print(f"correctness vs {name}: max |logit diff| {check[name]['max_abs_logit_diff']:.2e}"
+              f", same {NEW_CHECK} greedy tokens: {check[name]['same_greedy_tokens']}",
+              flush=True)
+
+    engines, prompts = {}, []
+    if not args.no_serving:
+        engines = {name: Engine.from_config(cfg) for name, cfg in serving_configs().items()}
+        rng = np.random.default_rng(1)
+        prompts = [rng.integers(3, 49152, SERVE_PROMPT).tolist() for _ in range(SERVE_REQUESTS)]
+        for e in engines.values():
+            e.generate([prompts[0]], SamplingParams(max_tokens=2))  # first calls, excluded
+
+    def lcpp_job(k, v):
+        return lambda: {f"lcpp_{k}_prefill": v.prefill_s(args.repeats),
+                        f"lcpp_{k}_decode_b1": v.decode_s(4 * args.repeats)}
+
+    def serve_job(name, eng):
+        return lambda: {f"{name}_serve": serve_ours(eng, prompts)}
+
+    jobs = [
+        lambda: {"ours_prefill": ours.prefill_s(args.repeats),
+                 "ours_decode_b1": ours.decode_s(1, 4 * args.repeats),
+                 "ours_decode_b8": ours.decode_s(8, 2 * args.repeats)},
+        lambda: {"hf_prefill": hf.prefill_s(args.repeats), "hf_decode_b1": hf.decode_s(1),
+                 "hf_decode_b8": hf.decode_s(8)},
+        *(lcpp_job(k, v) for k, v in lcpp.items()),
+        *(serve_job(name, eng) for name, eng in engines.items()),
+    ]
+    if engines:
+        jobs.append(lambda: {"lcpp_fp32_serve": lcpp["fp32"].serve(prompts)})
+    rounds = []
+    for r in range(args.rounds):
+        row: dict = {}
+        for job in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:  # the order rotates
+            row.update(job())
+        rounds.append(row)
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+
+    times = {k: spread([rd[k] for rd in rounds]) for k in rounds[0] if not k.endswith("_serve")}
+    table = []
+    for what, mine_key, peers_keys in (
+            ("prefill 512", "ours_prefill", ("hf_prefill", "lcpp_default_prefill",
+                                             "lcpp_fp32_prefill")),
+            ("decode B=1", "ours_decode_b1", ("hf_decode_b1", "lcpp_default_decode_b1",
+                                              "lcpp_fp32_decode_b1")),
+            ("decode B=8", "ours_decode_b8", ("hf_decode_b8",))):
+        for key in peers_keys:
+            ratio = spread([rd[mine_key] / rd[key] for rd in rounds])
+            peer = {"hf": "transformers", "lcpp_default": "llama.cpp default",
+                    "lcpp_fp32": "llama.cpp fp32"}[key.split("_prefill")[0].split("_decode")[0]]
+            table.append((what, peer, times[mine_key], times[key], ratio))
+    print(f"\nSmolLM2-135M fp32, {THREADS} threads, {args.rounds} rounds, "
+          f"median [range]; ratio = ours / peer time (< 1: ours faster)\n")
+    print(f"{'measurement':<14}{'peer':<20}{'ours ms':>24}{'peer ms':>24}{'ratio':>24}")
+    for what, peer, mine_t, their_t, ratio in table:
+        ms = lambda s: {k: v * 1e3 for k, v in s.items()}  # noqa: E731
+        print(f"{what:<14}{peer:<20}{fmt(ms(mine_t)):>24}{fmt(ms(their_t)):>24}"
+              f"{fmt(ratio):>24}")
+    serving = {}
+    if engines:
+        total = SERVE_REQUESTS * SERVE_NEW
+        lc = [rd["lcpp_fp32_serve"] for rd in rounds]
+        print(f"\nserving {SERVE_REQUESTS} x {SERVE_PROMPT}-token prompts x {SERVE_NEW} new "
+              "tokens (generated tok/s; ratio = ours / llama.cpp fp32 throughput, > 1: ours "
+              "faster)")
+        serving["llama.cpp fp32"] = {"tokens_per_s": spread([total / w for w, _ in lc])}
+        print(f"  {'llama.cpp fp32':<16}{fmt(serving['llama.cpp fp32']['tokens_per_s']):>26}")
+        for name in engines:
+            runs = [rd[f"{name}_serve"] for rd in rounds]
+            tps = spread([total / w for w, _ in runs])
+            ratio = spread([lw / w for (w, _), (lw, _) in zip(runs, lc, strict=True)])
+            same = statistics.fmean(float(a == b) for (_, mt), (_, lt) in zip(runs, lc,
+                                                                               strict=True)
+                                    for a, b in zip(mt, lt, strict=True))
+            serving[name] = {"tokens_per_s": tps, "ratio_vs_llama_cpp": ratio,
+                             "same_tokens_as_llama_cpp_fp32": same}
+            print(f"  {name:<16}{fmt(tps):>26}   ratio {fmt(ratio)}   same tokens as "
+                  f"llama.cpp: {same:.2f}")
+        for e in engines.values():
+            e.close()
+    write_result(args.out, {
+        "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(), "cores": THREADS,
+        "jax": jax.__version__, "args": vars(args), "correctness": check,
+        "times_s": times, "ratios": [{"measurement": w, "peer": p, "ratio": r}
+                                     for w, p, _, _, r in table],
+        "serving": serving})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
