@@ -18,7 +18,7 @@ def engine(deployments):
     eng = DisaggregatedEngine(deployments("cpu-1p1d.yaml"))
     yield eng
     eng.close()
-    assert eng._threads and not any(t.is_alive() for t in eng._threads)
+    assert eng._threads and not any(t.is_alive() for t in [*eng._threads, eng._output])
 
 
 def wait_idle(engine, timeout=60):

@@ -145,9 +145,17 @@ class Engine:
         self._queued = [0] * len(self.prefillers)  # prompt tokens routed, not yet prefilled
         self._cap = min(w.capacity for w in self.workers)
         self._threads: list[threading.Thread] = []
+        # Tokens and ends go to one output thread (detokenizing, stop strings, results,
+        # metrics, the consumers' sinks), so a worker's loop only samples and moves on.
+        # With start=False they are handled inline, in the stepping thread.
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._output: threading.Thread | None = None
         for w in self.workers:
             w.wake = threading.Event()
         if start:
+            self._output = threading.Thread(target=self._output_loop, daemon=True,
+                                            name="jaxdisagg-output")
+            self._output.start()
             for w in self.workers:
                 t = threading.Thread(target=self._run, args=(w,), name=f"jaxdisagg-{w.name}",
                                      daemon=True)
@@ -313,7 +321,31 @@ class Engine:
     # ------------------------------------------------------------ the Listener side
 
     def token(self, request_id: str, token: int, logprob: float) -> None:
-        now = time.perf_counter()
+        self._emit(self._handle_token, request_id, token, logprob, time.perf_counter())
+
+    def finish(self, request_id: str, tokens: list[int], reason: str,
+               cached_tokens: int = 0) -> None:
+        self._emit(self._handle_finish, request_id, list(tokens), reason, cached_tokens,
+                   time.perf_counter())
+
+    def _emit(self, fn, *args) -> None:
+        if self._output is None:
+            fn(*args)
+        else:
+            self._out.put((fn, args))
+
+    def _output_loop(self) -> None:
+        while True:
+            item = self._out.get()
+            if item is None:
+                return
+            fn, args = item
+            try:
+                fn(*args)
+            except Exception:  # noqa: BLE001 - one request's output must not stop the rest
+                log.exception("output of %s failed", args[0])
+
+    def _handle_token(self, request_id: str, token: int, logprob: float, now: float) -> None:
         req = self._live.get(request_id)
         if req is None or req.stopped:
             return
@@ -384,9 +416,8 @@ class Engine:
     def is_cancelled(self, request_id: str) -> bool:
         return request_id in self._cancelled
 
-    def finish(self, request_id: str, tokens: list[int], reason: str,
-               cached_tokens: int = 0) -> None:
-        now = time.perf_counter()
+    def _handle_finish(self, request_id: str, tokens: list[int], reason: str,
+                       cached_tokens: int, now: float) -> None:
         with self._lock:
             req = self._live.pop(request_id, None)
             self._cancelled.discard(request_id)
@@ -540,6 +571,9 @@ class Engine:
                 w.drain()
         for req in left:
             self.finish(req.request_id, req.tokens, "cancelled")
+        if self._output is not None:  # everything above is queued before the stop mark
+            self._out.put(None)
+            self._output.join(timeout=120)
 
     def __enter__(self) -> Engine:
         return self
