@@ -55,10 +55,10 @@ def run_pair(model, dst_tp, prompt, repeats, group):
     all_layers = range(model.config.num_layers)
 
     def standalone():
-        part = xfer.extract(all_layers, blocks)
-        xfer.insert([part], blocks)
+        parts = xfer.extract(all_layers, blocks)
+        xfer.insert(parts, blocks)
         jax.block_until_ready(dst.kv)
-        return part.nbytes
+        return sum(p.nbytes for p in parts)
 
     nbytes = standalone()
     t_alone = median_seconds(standalone, repeats)
@@ -97,7 +97,8 @@ def peer_main(pages: int) -> None:
     receiver = KVReceiver(inst, pull_timeout_s=60)
 
     def receive(msg):
-        stats = receiver.insert([KVOffer.from_json(msg["offer"])], list(range(pages)))
+        stats = receiver.insert([KVOffer.from_json(o) for o in msg["offers"]],
+                                list(range(pages)))
         return {"bytes": stats.bytes_moved, "transfer_s": stats.transfer_s}
 
     server = ControlServer({"receive": receive})
@@ -124,9 +125,10 @@ def cross_process(model, prompt, repeats) -> dict:
         client = ControlClient(peer.stdout.readline().split()[1])
         runs = []
         for _ in range(repeats + 1):  # the first compiles the peer's programs
-            offer = sender.extract(range(model.config.num_layers), blocks, "bench")
+            offers = sender.extract(range(model.config.num_layers), blocks, "bench")
             t = time.perf_counter()
-            got = client.call("receive", {"offer": offer.to_json()}, timeout=120)
+            got = client.call("receive", {"offers": [o.to_json() for o in offers]},
+                              timeout=120)
             runs.append((got["bytes"], got["transfer_s"], time.perf_counter() - t))
         runs = runs[1:]
     finally:

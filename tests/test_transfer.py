@@ -10,7 +10,7 @@ from kv_util import decode_greedy, make_pool, original_heads
 
 from jaxdisagg.mesh import Deployment, finish_transfer, prefill_request
 from jaxdisagg.mesh.config import RouterConfig
-from jaxdisagg.mesh.transfer import InProcessTransfer
+from jaxdisagg.mesh.transfer import InProcessTransfer, all_buckets, page_runs
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 from jaxdisagg.serve.engine import DisaggregatedEngine
 
@@ -26,7 +26,9 @@ def test_kv_arrives_bit_for_bit(tiny_model, src_tp, dst_tp, streaming):
     xfer = InProcessTransfer(src, dst)
     src_blocks, dst_blocks = [7, 2, 19, 4, 11, 0], [3, 22, 5, 14, 8, 1]
     logits, parts, first = prefill_request(src, PROMPT, src_blocks, xfer, streaming)
-    assert len(parts) == (len(src.groups) if streaming else 1)
+    # 6 pages move as runs of 4 + 2 (per layer group when streamed): no padding on the wire
+    assert len(parts) == 2 * (len(src.groups) if streaming else 1)
+    assert all(p.pages.shape[2] == p.num_pages for p in parts)
     stats = finish_transfer(xfer, logits, parts, dst_blocks, first)
     for layer in range(tiny_model.config.num_layers):
         for s, d in ((src.kv.k[layer], dst.kv.k[layer]), (src.kv.v[layer], dst.kv.v[layer])):
@@ -119,9 +121,35 @@ def test_extract_does_not_wait_for_the_producer(tiny_model):
         return jax.tree_util.tree_map(lambda p: p + 0 * m[0, 0], pages)
 
     src.kv = slow(src.kv)
-    part = xfer.extract(range(0, 2), [1, 2])
+    parts = xfer.extract(range(0, 2), [1, 2])
     assert not src.kv.k[0].is_ready(), "extract blocked on the producer: synchronous copy"
-    xfer.insert([part], [3, 4])
+    xfer.insert(parts, [3, 4])
     jax.block_until_ready(dst.kv)
     assert np.array_equal(original_heads(dst, dst.kv.k[0])[[3, 4]],
                           original_heads(src, src.kv.k[0])[[1, 2]])
+
+
+@pytest.mark.parametrize("max_pages", [8, 21, 64])
+def test_page_runs_cover_every_length_exactly(max_pages):
+    """Runs of compiled bucket sizes that add up to the request: bytes on the wire are
+    the real bytes for every prompt length, with no program beyond the buckets."""
+    buckets = all_buckets(max_pages)
+    for n in range(1, max_pages + 1):
+        runs = page_runs(n, max_pages)
+        assert [o for o, _ in runs] == [sum(c for _, c in runs[:i]) for i in range(len(runs))]
+        assert sum(c for _, c in runs) == n and all(c in buckets for _, c in runs)
+        assert len(runs) <= len(buckets)
+    with pytest.raises(ValueError, match="1..8 pages"):
+        page_runs(9, 8)
+
+
+def test_insert_refuses_parts_that_do_not_cover_the_blocks(tiny_model):
+    src = make_pool(tiny_model, [0, 1], 2)
+    dst = make_pool(tiny_model, [2, 3], 2)
+    xfer = InProcessTransfer(src, dst)
+    parts = xfer.extract(range(0, 2), [1, 2, 3])  # runs of 2 + 1
+    with pytest.raises(ValueError, match=r"layers 0..2: pages \[\(0, 2\)\] .* for 3"):
+        xfer.insert(parts[:1], [4, 5, 6])
+    with pytest.raises(ValueError, match="for 4 destination blocks"):
+        xfer.insert(parts, [4, 5, 6, 7])
+    xfer.insert(parts, [4, 5, 6])

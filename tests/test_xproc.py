@@ -78,8 +78,10 @@ def test_kv_crosses_processes_bit_for_bit_and_decodes(tiny_model, sender_tp4, pe
     """tp4 here -> tp2 there; then the peer decodes and matches the reference."""
     inst, sender = sender_tp4
     first = prefilled(inst)
-    offers = [sender.extract(g, SRC_BLOCKS, "req-1") for g in inst.groups]  # streamed groups
-    assert sender.held() == len(offers)
+    # Streamed groups, each in runs of 4 + 2 pages: exact bytes, no bucket padding.
+    offers = [o for g in inst.groups for o in sender.extract(g, SRC_BLOCKS, "req-1")]
+    assert [(o.offset, o.num_pages) for o in offers[:2]] == [(0, 4), (4, 2)]
+    assert sender.held() == len(offers) == 2 * len(inst.groups)
     got = peer_tp2.call("receive", {"offers": [o.to_json() for o in offers],
                                     "dst_blocks": DST_BLOCKS})
     assert got["digest"] == pages_digest(inst, SRC_BLOCKS)
@@ -99,8 +101,9 @@ def test_heterogeneous_tp_the_other_way(tiny_model):
     peer = Peer(4)
     try:
         prefilled(inst)
-        offer = sender.extract(range(0, 4), SRC_BLOCKS, "req-2")
-        got = peer.call("receive", {"offers": [offer.to_json()], "dst_blocks": DST_BLOCKS})
+        offers = sender.extract(range(0, 4), SRC_BLOCKS, "req-2")
+        got = peer.call("receive", {"offers": [o.to_json() for o in offers],
+                                    "dst_blocks": DST_BLOCKS})
         assert got["digest"] == pages_digest(inst, SRC_BLOCKS)
     finally:
         peer.kill()
@@ -110,25 +113,26 @@ def test_heterogeneous_tp_the_other_way(tiny_model):
 def test_pull_of_a_never_offered_id_fails_within_the_timeout(sender_tp4, peer_tp2):
     inst, sender = sender_tp4
     prefilled(inst)
-    offer = sender.extract(range(0, 4), SRC_BLOCKS, "req-3")
-    ghost = dataclasses.replace(offer, uuid=offer.uuid + 10_000, request_id="ghost")
+    offers = sender.extract(range(0, 4), SRC_BLOCKS, "req-3")
+    ghosts = [dataclasses.replace(o, uuid=o.uuid + 10_000, request_id="ghost") for o in offers]
     t = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        peer_tp2.call("receive", {"offers": [ghost.to_json()], "dst_blocks": DST_BLOCKS},
-                      timeout=PULL_TIMEOUT + 20)
+        peer_tp2.call("receive", {"offers": [g.to_json() for g in ghosts],
+                                  "dst_blocks": DST_BLOCKS}, timeout=PULL_TIMEOUT + 20)
     elapsed = time.monotonic() - t
     assert "did not finish within 3.0s" in err.value.details()
     assert "'ghost'" in err.value.details()
     assert elapsed < PULL_TIMEOUT + 10  # bounded by our watchdog, not by gRPC's deadline
     # The peer keeps serving after the failed pull.
-    got = peer_tp2.call("receive", {"offers": [offer.to_json()], "dst_blocks": DST_BLOCKS})
+    got = peer_tp2.call("receive", {"offers": [o.to_json() for o in offers],
+                                    "dst_blocks": DST_BLOCKS})
     assert got["digest"] == pages_digest(inst, SRC_BLOCKS)
 
 
 def test_incompatible_offer_is_refused_before_any_pull(sender_tp4, peer_tp2):
     inst, sender = sender_tp4
     prefilled(inst)
-    offer = sender.extract(range(0, 4), SRC_BLOCKS, "req-4")
+    offer = sender.extract(range(0, 4), SRC_BLOCKS, "req-4")[0]
     other = dataclasses.replace(offer, compat="0" * 16)
     with pytest.raises(grpc.RpcError) as err:
         peer_tp2.call("receive", {"offers": [other.to_json()], "dst_blocks": DST_BLOCKS})
@@ -144,7 +148,7 @@ def test_receiver_that_dies_leaves_no_kv_past_the_lease(sender_tp4):
     prefilled(inst)
     sender.extract(range(0, 4), SRC_BLOCKS, "req-5")
     peer.kill()  # it never pulls or releases
-    assert sender.held() == 1
+    assert sender.held() == 2  # runs of 4 + 2 pages
     deadline = time.monotonic() + sender.lease_s + 3
     while sender.held() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -164,8 +168,9 @@ def test_two_process_config(tiny_model):
     try:
         blocks = [4, 9, 1]
         logits, _, _ = prefill_request(inst, PROMPT, blocks)
-        offer = sender.extract(range(0, 4), blocks, "req-6")
-        got = peer.call("receive", {"offers": [offer.to_json()], "dst_blocks": [2, 3, 5]})
+        offers = sender.extract(range(0, 4), blocks, "req-6")
+        got = peer.call("receive", {"offers": [o.to_json() for o in offers],
+                                    "dst_blocks": [2, 3, 5]})
         assert got["digest"] == pages_digest(inst, blocks)
         want = ReferenceGenerator(tiny_model).generate([PROMPT], SamplingParams(max_tokens=5),
                                                        stop_token_ids=[])[0]

@@ -130,10 +130,10 @@ def prefill_last_chunk(inst: PoolInstance, tokens: np.ndarray, start: int, num_v
         tickets, out = [], tokens
         for i, group in enumerate(inst.groups):
             out = inst.prefill_group(i, out, start, num_valid, table)
-            tickets.append(transfer.extract(group, blocks))
+            tickets += transfer.extract(group, blocks)
         return out, tickets
     logits = inst.prefill(tokens, start, num_valid, table)
-    return logits, [transfer.extract(range(inst.config.num_layers), blocks)]
+    return logits, transfer.extract(range(inst.config.num_layers), blocks)
 
 
 def prefill_request(inst: PoolInstance, prompt: Sequence[int], src_blocks: Sequence[int],

@@ -43,6 +43,22 @@ def page_bucket(n: int, max_pages: int) -> int:
     return min(1 << (n - 1).bit_length(), max_pages)
 
 
+def page_runs(n: int, max_pages: int) -> list[tuple[int, int]]:
+    """(offset, count) runs covering pages 0..n, each count a bucket: 37 -> 32 + 4 + 1.
+
+    A request's pages move as one transfer per run, so the bytes on the wire are the
+    real bytes (no bucket padding) and the compiled programs are still one per bucket.
+    """
+    page_bucket(n, max_pages)  # checks the range
+    buckets = all_buckets(max_pages)
+    runs, offset = [], 0
+    while offset < n:
+        size = max(b for b in buckets if b <= n - offset)
+        runs.append((offset, size))
+        offset += size
+    return runs
+
+
 @dataclass
 class InFlightKV:
     """Pages of some layers of one request, on (or on their way to) the decode devices."""
@@ -52,6 +68,7 @@ class InFlightKV:
     num_pages: int  # real pages (the rest of the bucket is padding)
     nbytes: int  # real bytes moved (padding and replicated heads not counted twice)
     dispatched_at: float = field(default_factory=time.perf_counter)
+    offset: int = 0  # where these pages start in the request's block list
 
 
 @dataclass
@@ -189,16 +206,26 @@ class KVSink:
         return self._scatter[key]
 
     def insert(self, parts: list[InFlightKV], dst_blocks) -> None:
-        """Scatters arrived pages into the pool at `dst_blocks` (pool donated)."""
+        """Scatters arrived pages into the pool at `dst_blocks` (pool donated).
+
+        Every layer the parts carry must arrive whole: its runs cover exactly the
+        destination blocks, once."""
+        covered: dict[tuple[int, int], list[int]] = {}
+        for part in parts:
+            covered.setdefault((part.layers.start, part.layers.stop), []).append(part)
+        for (lo, hi), group in covered.items():
+            pages = sorted((p.offset, p.num_pages) for p in group)
+            offsets = [o for o, _ in pages]
+            ends = [o + c for o, c in pages]
+            if offsets != [0, *ends[:-1]] or ends[-1] != len(dst_blocks):
+                raise ValueError(f"layers {lo}..{hi}: pages {pages} (offset, count) arrived "
+                                 f"for {len(dst_blocks)} destination blocks")
         kv = self.inst.kv
         k, v = list(kv.k), list(kv.v)
         for part in parts:
-            if part.num_pages != len(dst_blocks):
-                raise ValueError(f"{part.num_pages} pages arrived for {len(dst_blocks)} "
-                                 "destination blocks")
             bucket = part.pages.shape[2]
             ids = np.full(bucket, self.inst.layout.num_blocks, np.int32)  # padding drops
-            ids[:len(dst_blocks)] = dst_blocks
+            ids[:part.num_pages] = dst_blocks[part.offset:part.offset + part.num_pages]
             lo, hi = part.layers.start, part.layers.stop
             k[lo:hi], v[lo:hi] = self._scatter_fn(part.layers, bucket)(
                 tuple(k[lo:hi]), tuple(v[lo:hi]), part.pages, ids)
@@ -208,8 +235,9 @@ class KVSink:
 class KVSendSide(Protocol):
     """What a prefill worker calls, whichever transfer is configured."""
 
-    def extract(self, layers: range, src_blocks) -> object:
-        """Starts moving the pages of `layers` at `src_blocks`; returns a ticket. Never blocks."""
+    def extract(self, layers: range, src_blocks) -> list:
+        """Starts moving the pages of `layers` at `src_blocks`; returns tickets (one per
+        run of pages). Never blocks."""
 
 
 class KVReceiveSide(Protocol):
@@ -245,11 +273,15 @@ class InProcessTransfer:
         self.src, self.dst = src, dst
         self.source, self.sink = KVSource(src), KVSink(dst)
 
-    def extract(self, layers: range, src_blocks) -> InFlightKV:
-        """Starts moving pages `src_blocks` of `layers` from the prefill pool. Never blocks."""
-        staged, nbytes = self.source.stage(layers, src_blocks)
-        return InFlightKV(layers, self.sink.assemble(self.source.pieces(staged)),
-                          len(src_blocks), nbytes)
+    def extract(self, layers: range, src_blocks) -> list[InFlightKV]:
+        """Starts moving pages `src_blocks` of `layers` from the prefill pool, one part
+        per run of `page_runs`. Never blocks."""
+        parts = []
+        for offset, count in page_runs(len(src_blocks), self.src.max_pages):
+            staged, nbytes = self.source.stage(layers, src_blocks[offset:offset + count])
+            parts.append(InFlightKV(layers, self.sink.assemble(self.source.pieces(staged)),
+                                    count, nbytes, offset=offset))
+        return parts
 
     def insert(self, parts: list[InFlightKV], dst_blocks) -> None:
         self.sink.insert(parts, dst_blocks)
@@ -261,6 +293,6 @@ class InProcessTransfer:
         for lo, hi in sorted(groups):
             for bucket in all_buckets(self.src.max_pages):
                 blocks = list(range(bucket))
-                self.insert([self.extract(range(lo, hi), blocks)], blocks)
+                self.insert(self.extract(range(lo, hi), blocks), blocks)
         jax.block_until_ready(self.dst.kv)
         self.dst.kv = self.dst._allocate()

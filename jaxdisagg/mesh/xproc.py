@@ -44,6 +44,7 @@ from jaxdisagg.mesh.transfer import (
     KVSource,
     Piece,
     TransferStats,
+    page_runs,
 )
 
 TRANSPORT_ADDRESSES = 1  # both peers must start their transfer servers with the same count
@@ -76,6 +77,7 @@ class KVOffer:
     dtype: str
     shapes: tuple[tuple[int, ...], ...]  # one per piece
     heads: tuple[tuple[int, ...], ...]  # original KV heads of each piece
+    offset: int = 0  # where these pages start in the request's block list
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -124,19 +126,23 @@ class KVSender:
     def control_address(self) -> str:
         return self._control.address
 
-    def extract(self, layers: range, src_blocks, request_id: str = "") -> KVOffer:
-        """Stages and offers the pages; never blocks on the prefill compute."""
-        staged, nbytes = self.source.stage(layers, src_blocks)
-        pieces = self.source.pieces(staged)
-        uuid = new_offer_uuid()
-        arrays = [p.data for p in pieces]
-        self._server.await_pull(uuid, arrays)
-        with self._lock:
-            self._held[uuid] = (arrays, time.monotonic() + self.lease_s)
-        return KVOffer(request_id, uuid, self._server.address(), self.control_address,
-                       self.compat, (layers.start, layers.stop), len(src_blocks), nbytes,
-                       np.dtype(staged.dtype).name, tuple(tuple(a.shape) for a in arrays),
-                       tuple(p.heads for p in pieces))
+    def extract(self, layers: range, src_blocks, request_id: str = "") -> list[KVOffer]:
+        """Stages and offers the pages, one offer per run of `page_runs` (exact bytes);
+        never blocks on the prefill compute."""
+        offers = []
+        for offset, count in page_runs(len(src_blocks), self.source.inst.max_pages):
+            staged, nbytes = self.source.stage(layers, src_blocks[offset:offset + count])
+            pieces = self.source.pieces(staged)
+            uuid = new_offer_uuid()
+            arrays = [p.data for p in pieces]
+            self._server.await_pull(uuid, arrays)
+            with self._lock:
+                self._held[uuid] = (arrays, time.monotonic() + self.lease_s)
+            offers.append(KVOffer(
+                request_id, uuid, self._server.address(), self.control_address, self.compat,
+                (layers.start, layers.stop), count, nbytes, np.dtype(staged.dtype).name,
+                tuple(tuple(a.shape) for a in arrays), tuple(p.heads for p in pieces), offset))
+        return offers
 
     def drop_offers(self) -> None:
         """Forgets every offer at once (fault injection: the data is gone)."""
@@ -237,7 +243,7 @@ class KVReceiver:
                                   f"failed: {result['error']}") from result["error"]
         pieces = [Piece(a, h) for a, h in zip(result["arrays"], offer.heads, strict=True)]
         return InFlightKV(range(*offer.layers), self.sink.assemble(pieces), offer.num_pages,
-                          offer.nbytes)
+                          offer.nbytes, offset=offer.offset)
 
     def insert(self, offers: list[KVOffer], dst_blocks) -> TransferStats:
         """Pulls every offer, scatters the pages into the pool, then releases the offers.
