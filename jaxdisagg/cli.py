@@ -102,7 +102,8 @@ def cmd_fetch(args) -> int:
     from jaxdisagg.model.fetch import CATALOG, fetch
 
     path = fetch(args.name)
-    print(f"{CATALOG[args.name].about}\n{path}")
+    print(CATALOG[args.name].about, file=sys.stderr)
+    print(path)  # alone on stdout, so `"$(jaxdisagg fetch smollm2)"` is the file
     return 0
 
 
@@ -442,6 +443,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_roofline(args) -> int:
+    import json
+
     from jaxdisagg import roofline as rl
     from jaxdisagg.model.config import get_preset
 
@@ -456,12 +459,32 @@ def cmd_roofline(args) -> int:
         small_m = rl.measure_matmul_rate(8)
         measured = rl.measure_steps(args.calibrate_preset, batch=8)
         m = rl.Model.from_config(get_preset(args.calibrate_preset), 4)
-    print(rl.report(m, hw))
+    cases = {name: _int_list(getattr(args, name), f"--{name}")
+             for name in ("batch", "context", "chunk", "prefix") if getattr(args, name)}
+    cases = {{"batch": "batches", "context": "contexts", "chunk": "chunks",
+              "prefix": "prefixes"}[k]: v for k, v in cases.items()}
+    print(rl.report(m, hw, **cases))
+    if args.json:
+        data = rl.report_data(m, hw, **cases)
+        if measured:
+            data["measured"] = [{"step": p.label, "seconds": s} for p, s in measured]
+        Path(args.json).write_text(json.dumps(data, indent=2))
+        print(f"\nwrote {args.json}")
     if measured:
         print("\n" + rl.calibration_report(m, hw, measured, small_m))
     if args.plot:
         print(f"\nwrote {rl.plot(m, hw, args.plot, measured)}")
     return 0
+
+
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise ValueError(f"{flag}: comma-separated positive integers, got {text!r}") from None
+    if not values or min(values) < 0 or (flag != "--prefix" and min(values) == 0):
+        raise ValueError(f"{flag}: comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _model_config(spec: str):
@@ -687,6 +710,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure this machine and this project's step times, and compare")
     r.add_argument("--calibrate-preset", default="small",
                    help="the preset --calibrate times on this machine")
+    r.add_argument("--batch", metavar="B1,B2,...",
+                   help="decode batch sizes to tabulate (default: 1,8,32,128)")
+    r.add_argument("--context", metavar="L1,L2,...",
+                   help="context lengths per request (default: 512,2048,8192,32768)")
+    r.add_argument("--chunk", metavar="C1,...", help="prefill chunk sizes (default: 512,2048)")
+    r.add_argument("--prefix", metavar="S1,...",
+                   help="cached prefix lengths for prefill (default: 0,8192,32768)")
+    r.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     r.set_defaults(fn=cmd_roofline)
 
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "

@@ -26,7 +26,8 @@ class Hardware:
     name: str
     flops: float  # sustained dense matmul FLOP/s at the model dtype (not the datasheet peak)
     bandwidth: float  # memory bytes/s
-    memory: float  # device memory, bytes
+    memory: float  # device memory, bytes (0: unknown)
+    rates: str = "sustained"  # what `flops` is: "sustained" (large matmuls reach it) or "measured"
 
     @property
     def ridge(self) -> float:
@@ -40,7 +41,7 @@ HARDWARE = {
     "h100-sxm": Hardware("H100 SXM", 500e12, 3.35e12, 80e9),
     "h200": Hardware("H200", 500e12, 4.8e12, 141e9),
     "a100-sxm": Hardware("A100 SXM 80GB", 250e12, 2.0e12, 80e9),
-    "cpu-2core": Hardware("2-core CPU (fp32, measured)", 153e9, 26.4e9, 24e9),
+    "cpu-2core": Hardware("2-core CPU (fp32)", 153e9, 26.4e9, 24e9, "measured"),
 }
 
 # Bytes/s one way between a prefill and a decode device.
@@ -142,38 +143,76 @@ def _si(x: float, unit: str) -> str:
     return f"{x:.3g} {unit}"
 
 
-def report(m: Model, hw: Hardware, batches=(1, 8, 32, 128), contexts=(512, 2048, 8192, 32768),
-           chunks=(512, 2048), prefixes=(0, 8192, 32768), prompt=4096) -> str:
-    lines = [f"{m.name}: {m.params / 1e9:.3g}B parameters, {_si(m.weight_bytes, 'B')} of weights "
-             f"({m.bytes_per_param} B/param), K_tok = {_si(m.kv_bytes_per_token, 'B')}/token",
-             f"{hw.name}: {_si(hw.flops, 'FLOP/s')}, {_si(hw.bandwidth, 'B/s')}, ridge "
-             f"R = {hw.ridge:.0f} FLOP/B, {_si(hw.memory, 'B')} memory", "",
-             "decode, one iteration (I = 2PB / (Pb + K_tok L B)):",
-             f"  {'B':>5} {'L':>7} {'I':>8} {'regime':>10} {'step':>10} {'KV of batch':>12} "
-             f"{'fits?':>6}"]
+def report_data(m: Model, hw: Hardware, batches=(1, 8, 32, 128),
+                contexts=(512, 2048, 8192, 32768), chunks=(512, 2048),
+                prefixes=(0, 8192, 32768), prompt=4096) -> dict:
+    """Every figure `report` prints, as plain data (the CLI's --json).
+
+    Step times come two ways: the article's (2*P*T FLOPs; weights + KV bytes) and
+    with attention counted (`refined`: QK^T and PV over the cached context, the LM
+    head only where logits are needed), which is what dominates at long context."""
     free = hw.memory - m.weight_bytes
+    decode = []
     for b in batches:
         for length in contexts:
             p = decode_point(m, b, length)
             kv = m.kv_bytes_per_token * length * b
-            lines.append(f"  {b:>5} {length:>7} {p.intensity:>8.1f} {p.regime(hw):>10} "
-                         f"{p.time(hw) * 1e3:>8.2f}ms {_si(kv, 'B'):>12} "
-                         f"{'yes' if kv <= free else 'NO':>6}")
-    cross = crossover_tokens(m)
-    lines += ["", f"crossover: KV bytes = weight bytes at L*B = {cross:.0f} "
-              + ", ".join(f"(L = {cross / b:.0f} at B = {b})" for b in batches), "",
-              "prefill of a chunk C over a cached prefix S (I = 2PC / (Pb + K_tok S)):",
-              f"  {'C':>5} {'S':>7} {'I':>8} {'regime':>10} {'step':>10}"]
+            decode.append({"batch": b, "context": length, "intensity": p.intensity,
+                           "regime": p.regime(hw), "step_s": p.time(hw),
+                           "step_with_attention_s": refined(m, p).time(hw),
+                           "kv_bytes": kv, "fits": kv <= free})
+    prefill = []
     for c in chunks:
         for s in prefixes:
             p = prefill_point(m, c, s)
-            lines.append(f"  {c:>5} {s:>7} {p.intensity:>8.1f} {p.regime(hw):>10} "
-                         f"{p.time(hw) * 1e3:>8.2f}ms")
-    kv = prompt * m.kv_bytes_per_token
-    lines += ["", f"KV of one {prompt}-token prompt: {_si(kv, 'B')}; transfer time by fabric:"]
+            prefill.append({"chunk": c, "prefix": s, "intensity": p.intensity,
+                            "regime": p.regime(hw), "step_s": p.time(hw),
+                            "step_with_attention_s": refined(m, p).time(hw)})
+    return {
+        "model": {"name": m.name, "params": m.params, "weight_bytes": m.weight_bytes,
+                  "bytes_per_param": m.bytes_per_param,
+                  "kv_bytes_per_token": m.kv_bytes_per_token},
+        "hardware": {"name": hw.name, "flops": hw.flops, "bandwidth": hw.bandwidth,
+                     "memory": hw.memory, "ridge": hw.ridge, "rates": hw.rates},
+        "decode": decode, "prefill": prefill,
+        "crossover_tokens": crossover_tokens(m), "crossover_batches": list(batches),
+        "transfer": {"prompt_tokens": prompt, "kv_bytes": prompt * m.kv_bytes_per_token,
+                     "seconds": {name: transfer_seconds(m, prompt, bw)
+                                 for name, bw in FABRICS.items()}},
+    }
+
+
+def report(m: Model, hw: Hardware, **cases) -> str:
+    d = report_data(m, hw, **cases)
+    mem = _si(hw.memory, "B") if hw.memory else "unknown"
+    lines = [f"{m.name}: {m.params / 1e9:.3g}B parameters, {_si(m.weight_bytes, 'B')} of weights "
+             f"({m.bytes_per_param} B/param), K_tok = {_si(m.kv_bytes_per_token, 'B')}/token",
+             f"{hw.name}: {_si(hw.flops, 'FLOP/s')} {hw.rates}, {_si(hw.bandwidth, 'B/s')}, "
+             f"ridge R = {hw.ridge:.0f} FLOP/B, {mem} memory", "",
+             "decode, one iteration (I = 2PB / (Pb + K_tok L B)); 'step' is the article's "
+             "estimate, '+attn' counts attention FLOPs too:",
+             f"  {'B':>5} {'L':>7} {'I':>8} {'regime':>10} {'step':>10} {'+attn':>10} "
+             f"{'KV of batch':>12} {'fits?':>6}"]
+    for r in d["decode"]:
+        lines.append(f"  {r['batch']:>5} {r['context']:>7} {r['intensity']:>8.1f} "
+                     f"{r['regime']:>10} {r['step_s'] * 1e3:>8.2f}ms "
+                     f"{r['step_with_attention_s'] * 1e3:>8.2f}ms {_si(r['kv_bytes'], 'B'):>12} "
+                     f"{('yes' if r['fits'] else 'NO') if hw.memory else '?':>6}")
+    cross = d["crossover_tokens"]
+    lines += ["", f"crossover: KV bytes = weight bytes at L*B = {cross:.0f} "
+              + ", ".join(f"(L = {cross / b:.0f} at B = {b})" for b in d["crossover_batches"]),
+              "", "prefill of a chunk C over a cached prefix S (I = 2PC / (Pb + K_tok S)); "
+              "'+attn' adds the chunk's attention over the prefix and itself:",
+              f"  {'C':>5} {'S':>7} {'I':>8} {'regime':>10} {'step':>10} {'+attn':>10}"]
+    for r in d["prefill"]:
+        lines.append(f"  {r['chunk']:>5} {r['prefix']:>7} {r['intensity']:>8.1f} "
+                     f"{r['regime']:>10} {r['step_s'] * 1e3:>8.2f}ms "
+                     f"{r['step_with_attention_s'] * 1e3:>8.2f}ms")
+    t = d["transfer"]
+    lines += ["", f"KV of one {t['prompt_tokens']}-token prompt: {_si(t['kv_bytes'], 'B')}; "
+              "transfer time by fabric:"]
     for name, bw in FABRICS.items():
-        ms = transfer_seconds(m, prompt, bw) * 1e3
-        lines.append(f"  {name:>11}: {_si(bw, 'B/s'):>10}  {ms:9.2f} ms")
+        lines.append(f"  {name:>11}: {_si(bw, 'B/s'):>10}  {t['seconds'][name] * 1e3:9.2f} ms")
     return "\n".join(lines)
 
 
@@ -243,7 +282,17 @@ def measure_ceilings() -> Hardware:
     dot = jax.jit(jnp.dot)
     flops = 2 * 512 * 2048 * 2048 / median_seconds(lambda: dot(a, b).block_until_ready())
     bw = w.nbytes / median_seconds(lambda: dot(w, x).block_until_ready())
-    return Hardware("this machine (fp32, measured)", flops, bw, 0.0)
+    return Hardware("this machine (fp32, measured)", flops, bw, host_memory_bytes(), "measured")
+
+
+def host_memory_bytes() -> float:
+    """This machine's physical memory (what a CPU pool's KV competes for), or 0."""
+    import os
+
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
 
 
 def measure_matmul_rate(rows: int) -> float:

@@ -90,6 +90,23 @@ def test_cli_tables_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_cli_takes_your_own_cases_counts_prefix_attention_and_writes_json(tmp_path):
+    """The article's own cases: B=32 at 1k and 64k of context, a chunk over a long prefix."""
+    out = run("--model", "llama2-7b", "--batch", "32", "--context", "1024,65536", "--chunk",
+              "2048", "--prefix", "0,32768", "--json", tmp_path / "r.json")
+    assert out.returncode == 0, out.stderr
+    assert "500 TFLOP/s sustained" in out.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert [(r["batch"], r["context"]) for r in data["decode"]] == [(32, 1024), (32, 65536)]
+    assert [r["fits"] for r in data["decode"]] == [True, False]  # 1.1 TB of KV at 64k
+    short, long = data["prefill"]
+    assert short["step_s"] == long["step_s"]  # the headline formula: compute-bound either way
+    # ... but the chunk's attention over 32k cached tokens more than doubles it
+    assert long["step_with_attention_s"] > 2 * short["step_with_attention_s"]
+    bad = run("--batch", "8,x")
+    assert bad.returncode == 2 and "--batch: comma-separated positive integers" in bad.stderr
+
+
 def test_cli_reads_an_hf_config_and_rejects_bad_names(tmp_path):
     from transformers import LlamaConfig
 
@@ -111,6 +128,8 @@ def test_calibrate_measures_and_compares(tmp_path):
     assert "measured ceilings" in out.stdout and "refined, M-rate" in out.stdout
     assert "prefill C=512 S=0" in out.stdout and "decode B=8 L=512" in out.stdout
     assert (tmp_path / "cal.png").exists()
+    assert " 0 B memory" not in out.stdout and "unknown memory" not in out.stdout
+    assert "fits?" in out.stdout and "   NO" not in out.stdout.split("crossover")[0]
 
 
 def test_served_cost_refines_the_article():
