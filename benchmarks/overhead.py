@@ -61,7 +61,9 @@ def engine_round(engine: Engine, prompts, new: int) -> dict[str, float]:
 def bare_round(inst, slots: int, new: int, steps: int = 64) -> dict[str, float]:
     """The same program, batch and context as the engine's window, in a tight loop."""
     pages = inst.max_pages
-    tables = np.arange(slots * pages, dtype=np.int32).reshape(slots, pages)
+    # The engine's layout: sequences that grow together take blocks in turn, so slot
+    # i's pages are i, i + slots, i + 2 * slots, ... (a gather with the same locality).
+    tables = np.arange(slots * pages, dtype=np.int32).reshape(pages, slots).T.copy()
     rows = row_params([SamplingParams()] * slots, 1, inst.config.vocab_size)
     out = {}
     for name, (lo, hi) in windows(new).items():
