@@ -1,6 +1,6 @@
 """Serving throughput and latency: both engines, and HF transformers' continuous batching.
 
-    python benchmarks/serving.py [--requests 32 --prompt 512 --new 64 --preset small]
+    python benchmarks/serving.py [--requests 32 --prompt 512 --new 64 --model small]
 
 Every request arrives at once (after one warm-up request per engine, excluded). Each
 engine runs on two CPU devices: disaggregated = prefill tp1 on device 0 + decode tp1
@@ -137,7 +137,8 @@ def run_hf(preset: str, prompts, new: int) -> tuple[dict | None, list[list[int]]
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="small")
+    p.add_argument("--model", "--preset", dest="preset", default="small",
+                   help="a preset, smollm2, a .gguf file or a checkpoint directory")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--prompt", type=int, default=512)
     p.add_argument("--new", type=int, default=64)
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfgs = configs(args.preset, args.prompt, args.new, args.requests)
-    vocab = 32000 if args.preset != "tiny" else 256
+    vocab = 256 if args.preset == "tiny" else 32000  # ids every model here knows
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, vocab, args.prompt).tolist() for _ in range(args.requests)]
     rows, tokens = {}, {}
