@@ -23,6 +23,7 @@ from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_r
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 CASES = list(itertools.product([1, 2, 4, 8], [64, 128], [8, 16]))  # group, head_dim, block
+CASES += [(3, 64, 16), (7, 64, 8)]  # groups that are not powers of two (SmolLM2: 3)
 NUM_BLOCKS, PAGES, KV_HEADS = 24, 6, 2
 
 
@@ -78,6 +79,18 @@ def test_prefill_kernel_matches_reference(g, h, bs):
     assert not np.isnan(np.asarray(got)).any()  # padded rows are written too
 
 
+def test_prefill_blocks_of_padding_skip_their_work():
+    """A 64-token chunk holding 5 real tokens: the row blocks made only of padding read
+    no keys and write zeros (not NaN); the real rows still match the reference."""
+    q, k, v, table, start, _ = prefill_inputs(7, 2, 64, 16, jnp.float32, 0, chunk=64)
+    nv = jnp.int32(5)
+    got = paged_prefill_attention(q, k, v, table, start, nv, scale=0.125, interpret=True,
+                                  poison=True)
+    want = prefill_attention_ref(q, k, v, table, start, nv, scale=0.125)
+    check(got[:5], want[:5], jnp.float32)
+    assert not np.asarray(got[32:]).any()  # rows 64.. of each KV head: tokens 32..63
+
+
 @pytest.mark.parametrize("g,h,bs", [(4, 128, 16), (8, 64, 8)])
 def test_bf16(g, h, bs):
     q, k, v, tables, lens = decode_inputs(7, g, h, bs, jnp.bfloat16)
@@ -122,18 +135,28 @@ def test_backend_names():
         resolve_backend("triton")
 
 
-def test_kernels_lower_for_cuda_through_triton():
+# (query heads, KV heads, head_dim) per device as real models shard, at tp 1 and at the
+# largest tp their heads allow: SmolLM2-135M (tp 3), Llama-3.2-1B, Llama-2-7B (MHA),
+# Llama-3-8B and Mistral-7B (same layout), Qwen2-1.5B (group 6), Qwen2.5-7B (group 7).
+REAL_SHAPES = [(9, 3, 64), (3, 1, 64), (32, 8, 64), (4, 1, 64), (32, 32, 128), (4, 4, 128),
+               (32, 8, 128), (4, 1, 128), (12, 2, 128), (6, 1, 128), (28, 4, 128),
+               (7, 1, 128)]
+
+
+@pytest.mark.parametrize("n,k,h", REAL_SHAPES, ids=[f"{n}q{k}kv{h}" for n, k, h in REAL_SHAPES])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+def test_kernels_lower_for_cuda_through_triton(n, k, h, dtype):
     """Cross-platform lowering runs Pallas' Triton lowering without a GPU: an op the
-    backend cannot lower, or a tile it rejects, fails here."""
+    backend cannot lower, or a tile it rejects (every block side a power of two), fails
+    here. Pools of 321 blocks: the page count need not be a power of two either."""
     sds = jax.ShapeDtypeStruct
-    bf16 = jnp.bfloat16
-    page = sds((64, 16, 8, 128), bf16)
+    page = sds((321, 16, k, h), dtype)
     decode = jax.jit(lambda *a: paged_decode_attention(*a, scale=0.088))
     prefill = jax.jit(lambda *a: paged_prefill_attention(*a, scale=0.088))
     for fn, args in (
-            (decode, (sds((32, 32, 128), bf16), page, page, sds((32, 8), jnp.int32),
+            (decode, (sds((32, n, h), dtype), page, page, sds((32, 40), jnp.int32),
                       sds((32,), jnp.int32))),
-            (prefill, (sds((128, 32, 128), bf16), page, page, sds((16,), jnp.int32),
+            (prefill, (sds((128, n, h), dtype), page, page, sds((40,), jnp.int32),
                        sds((), jnp.int32), sds((), jnp.int32)))):
         text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "__gpu" in text  # the Triton kernel call

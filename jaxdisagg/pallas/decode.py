@@ -2,7 +2,8 @@
 
 Grid (slot b, KV head k, split s). Each program reads the pages of split s of slot
 b's block table, for KV head k only, once, and computes all G query heads of that
-KV head against them: no KV head is read twice and no query group is padded. The
+KV head against them: no KV head is read twice. (A group that is not a power of two
+is padded to one with zero rows, which Triton's block shapes require.) The
 logits of G rows are computed with broadcast products rather than a tensor-core dot
 (decode is bandwidth-bound and G may be 1..8, below the 16-row minimum of a dot).
 Each split writes an unnormalised partial (acc, max, sum); a jnp combine step
@@ -83,9 +84,14 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     per_split = pl.cdiv(pl.cdiv(p, num_splits), pages_per_step) * pages_per_step
     padded = per_split * num_splits
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - p)))
-    qg = q.reshape(b, kh, g, h)
-    partial = jax.ShapeDtypeStruct((num_splits, b, kh, g), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct((num_splits, b, kh, g, h), jnp.float32), partial, partial]
+    # Triton blocks must have power-of-two sides: a group of 3 (SmolLM2's 9/3 heads) runs
+    # as 4 rows, the extra one zeros whose result is dropped. Decode is bandwidth-bound,
+    # so the padded row costs no extra KV read.
+    gp = pl.next_power_of_2(g)
+    qg = jnp.pad(q.reshape(b, kh, g, h), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    partial = jax.ShapeDtypeStruct((num_splits, b, kh, gp), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct((num_splits, b, kh, gp, h), jnp.float32), partial,
+                 partial]
     inits = [jnp.full(o.shape, jnp.nan, o.dtype) for o in out_shape] if poison else []
     acc, m, denom = pl.pallas_call(
         functools.partial(_kernel, pages_per_split=per_split, pages_per_step=pages_per_step,
@@ -94,14 +100,14 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
         in_specs=[
             pl.BlockSpec((b, padded), lambda i, j, s: (0, 0)),  # block tables
             pl.BlockSpec((b,), lambda i, j, s: (0,)),  # lengths
-            pl.BlockSpec((None, None, g, h), lambda i, j, s: (i, j, 0, 0)),  # q
+            pl.BlockSpec((None, None, gp, h), lambda i, j, s: (i, j, 0, 0)),  # q
             pl.BlockSpec((nb, bs, None, h), lambda i, j, s: (0, 0, j, 0)),  # K pages, head j
             pl.BlockSpec((nb, bs, None, h), lambda i, j, s: (0, 0, j, 0)),  # V pages, head j
         ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(inits),
         out_specs=[
-            pl.BlockSpec((None, None, None, g, h), lambda i, j, s: (s, i, j, 0, 0)),
-            pl.BlockSpec((None, None, None, g), lambda i, j, s: (s, i, j, 0)),
-            pl.BlockSpec((None, None, None, g), lambda i, j, s: (s, i, j, 0)),
+            pl.BlockSpec((None, None, None, gp, h), lambda i, j, s: (s, i, j, 0, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (s, i, j, 0)),
+            pl.BlockSpec((None, None, None, gp), lambda i, j, s: (s, i, j, 0)),
         ],
         out_shape=out_shape,
         input_output_aliases={5 + i: i for i in range(len(inits))},
@@ -114,5 +120,5 @@ def paged_decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale
     w = jnp.exp(m - m_all[None])  # [S, B, K, G]
     total = (denom * w).sum(axis=0)
     out = (acc * w[..., None]).sum(axis=0) / jnp.where(total > 0, total, 1.0)[..., None]
-    out = jnp.where((seq_lens > 0)[:, None, None, None], out, 0.0)
+    out = jnp.where((seq_lens > 0)[:, None, None, None], out[:, :, :g], 0.0)
     return out.reshape(b, n, h).astype(q.dtype)

@@ -42,7 +42,8 @@ def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
     q_pos = start + row // group
     # The last key any row of this block may see, and so the pages to stream.
     last_key = jnp.minimum(start + ((i + 1) * rows - 1) // group, kv_len - 1)
-    steps = pl.cdiv(last_key + 1, step_keys)
+    # A block made only of padding tokens (past num_valid) reads nothing and writes zeros.
+    steps = jnp.where((i * rows) // group < num_valid, pl.cdiv(last_key + 1, step_keys), 0)
 
     def body(j, carry):
         acc, m, denom = carry
@@ -62,7 +63,7 @@ def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
     init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, _, denom = jax.lax.fori_loop(0, steps, body, init)
-    o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+    o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows",
