@@ -169,7 +169,7 @@ def cmd_serve(args) -> int:
     from jaxdisagg.serve.server import Server, ServerLimits, serve_forever
     from jaxdisagg.serve.validation import RequestLimits
 
-    cfg = load_config(args.config)
+    cfg = _with_model(load_config(args.config), args.model)
     if args.max_requests is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, max_requests=args.max_requests))
@@ -404,9 +404,11 @@ def cmd_bench(args) -> int:
             elif args.server:
                 target = bench.ServerTarget(where)
             else:
+                from jaxdisagg.mesh.config import load_config
                 from jaxdisagg.serve.engine import Engine
 
-                engine = stack.enter_context(Engine.from_config(where, progress=True))
+                engine = stack.enter_context(Engine.from_config(
+                    _with_model(load_config(where), args.model), progress=True))
                 target = bench.EngineTarget(engine)
             for rate in rates:
                 records = bench.run(target, dataclasses.replace(workload, rate=rate))
@@ -475,6 +477,16 @@ def cmd_roofline(args) -> int:
     if args.plot:
         print(f"\nwrote {rl.plot(m, hw, args.plot, measured)}")
     return 0
+
+
+def _with_model(cfg, model: str | None):
+    """The config serving `model` instead of its own (a preset, smollm2, a .gguf file or
+    a checkpoint directory); the pools' layout stays, and is checked against it."""
+    import dataclasses
+
+    if not model:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=model))
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -607,6 +619,10 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(fn=cmd_chat)
 
     s = sub.add_parser("serve", help="serve a deployment over gRPC")
+    s.add_argument("--model", default=None,
+                   help="serve this model instead of the config's: a preset, smollm2, a "
+                        ".gguf file, or a checkpoint directory (HF safetensors + "
+                        "tokenizer.json, or Orbax); the config's pools must fit its heads")
     s.add_argument("--config", default=str(CONFIGS / "cpu-1p1d.yaml"),
                    help="deployment YAML (configs/ holds the shipped ones)")
     s.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
@@ -666,7 +682,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="drive any OpenAI-compatible server (ours, llama.cpp's, vLLM's) "
                         "through /v1/completions; times are taken from the SSE stream")
     b.add_argument("--model", default=None,
-                   help="the model name to send with --url (default: the server's first)")
+                   help="in-process: the model to serve instead of the config's (a preset, "
+                        "smollm2, a .gguf file or a checkpoint directory); with --url: the "
+                        "model name to send (default: the server's first)")
     b.add_argument("--vocab", type=int, default=None,
                    help="prompt token ids stay below this (--url; default: what the "
                         "server reports, else 32000)")

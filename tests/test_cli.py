@@ -1,5 +1,6 @@
 """The `jaxdisagg` console script, run as a user would, in subprocesses."""
 
+import json
 import os
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_demo_serves_both_engines_and_compares(tmp_path):
     assert "KV moved:" in text and "pool peaks:" in text
     table = text[text.index("same workload, side by side:"):]
     assert "TTFT p50 ms" in table and "TBT p99 ms" in table and "tok/s" in table
-    assert "compiling" in out.stderr  # the warm-up progress bars
+    assert "\r" not in out.stderr  # progress bars draw only on a terminal, not into logs
     rows = [line.split() for line in text.splitlines() if line.strip().startswith("demo-")]
     assert len(rows) == 8 and all(row[2] == "4" for row in rows)  # 4 new tokens each
 
@@ -87,3 +88,18 @@ def test_demo_bad_config_is_a_clear_error(tmp_path):
     bad.write_text("mode: disaggregated\nprefill: {devices: [0, 1], tp: 2}\n")
     out = run("demo", "--config", str(bad), "--no-compare")
     assert out.returncode == 2 and "decode: missing" in out.stderr
+
+
+def test_serve_and_bench_take_model_over_the_config(tmp_path):
+    """--model replaces the config's model: the `small` preset runs through bench on the
+    colocated layout, and SmolLM2's 9 heads on cpu-1p1d's tp=4 are refused with the fix."""
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    out = run("bench", "--model", "small", "--config", str(configs / "cpu-colocated.yaml"),
+              "--requests", "2", "--prompt-len", "fixed:8", "--output-len", "fixed:2",
+              "--warmup", "0", "--json", str(tmp_path / "b.json"), timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert json.loads((tmp_path / "b.json").read_text())["results"]["engine"]["completed"] == 2
+    for cmd in (("serve", "--port", "0"), ("bench", "--requests", "1")):
+        out = run(*cmd, "--model", "smollm2", "--config", str(configs / "cpu-1p1d.yaml"))
+        assert out.returncode == 2, out.stderr
+        assert "tp" in out.stderr and "9 query heads" in out.stderr and "valid" in out.stderr

@@ -202,7 +202,9 @@ def test_offers_never_pulled_are_freed_within_the_lease(tmp_path):
             "request_id": "orphan", "prompt": [256] + list(range(90)),
             "params": {"max_tokens": 8}, "stop_ids": []}, timeout=60)
         assert reply["offers"], reply  # offered, and the decode side "dies" before pulling
-        assert control.call("stats", {})["gauges"]["offers_held"] == 1
+        # 91 tokens = 6 pages of 16, offered as runs of 4 + 2 pages: two offers
+        assert len(reply["offers"]) == 2
+        assert control.call("stats", {})["gauges"]["offers_held"] == 2
         t0 = time.monotonic()
         while control.call("stats", {})["gauges"]["offers_held"]:
             assert time.monotonic() - t0 < 6, "the lease did not free the offer"

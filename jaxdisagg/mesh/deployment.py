@@ -85,7 +85,8 @@ class Deployment:
         jobs = [(f"{inst.name}[{i}]", inst) for name, insts in self.pools.items()
                 for i, inst in enumerate(insts)]
         jobs += [(f"transfer {i}->{j}", t) for (i, j), t in self.transfers.items()]
-        bar = tqdm(jobs, desc="compiling", unit="program set", disable=not progress)
+        bar = tqdm(jobs, desc="compiling", unit="program set",
+                   disable=None if progress else True)  # None: bars only on a terminal
         for label, job in bar:
             bar.set_postfix_str(label)
             if isinstance(job, PoolInstance):

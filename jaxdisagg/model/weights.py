@@ -250,7 +250,8 @@ def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np
     filled: dict[tuple, tuple[str, Path]] = {}
     values = jax.tree_util.tree_map(lambda _: None, expected)
     tied_head = None
-    for name, f, tensor in tqdm(tensors, total=total, disable=not progress,
+    # disable=None: tqdm draws only on a terminal, so logs get no carriage-return frames
+    for name, f, tensor in tqdm(tensors, total=total, disable=None if progress else True,
                                 desc="loading tensors", unit="tensor"):
         if _IGNORED.match(name):
             continue
@@ -345,7 +346,8 @@ def save_orbax(model: Llama, out_dir: str | Path, tokenizer=None,
     if (out / "state").exists():
         raise FileExistsError(f"{out / 'state'} already exists; choose an empty directory")
     out.mkdir(parents=True, exist_ok=True)
-    steps = tqdm(total=3, disable=not progress, desc="writing orbax checkpoint", unit="step")
+    steps = tqdm(total=3, disable=None if progress else True,  # None: only on a terminal
+                 desc="writing orbax checkpoint", unit="step")
     meta = {"format": "jaxdisagg-orbax/1", "dtype": model.dtype.name,
             "config": dataclasses.asdict(model.config)}
     (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
