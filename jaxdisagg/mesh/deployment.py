@@ -26,9 +26,10 @@ from jaxdisagg.mesh.config import (
     load_config,
     place_pools,
 )
-from jaxdisagg.mesh.pool import PoolInstance, bucket_for
+from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.mesh.transfer import InFlightKV, InProcessTransfer, TransferStats
 from jaxdisagg.model.llama import Llama
+from jaxdisagg.model.paged import smallest_fit
 from jaxdisagg.model.tokenizer import Tokenizer
 from jaxdisagg.model.weights import load_model
 
@@ -110,7 +111,7 @@ def chunk_at(inst: PoolInstance, prompt: Sequence[int], start: int,
     the smallest compiled chunk bucket that holds it; and its real length."""
     size = inst.pool.chunk_size if limit is None else min(limit, inst.pool.chunk_size)
     piece = prompt[start:start + size]
-    tokens = np.zeros(bucket_for(len(piece), inst.chunk_buckets), np.int32)
+    tokens = np.zeros(smallest_fit(len(piece), inst.chunk_buckets), np.int32)
     tokens[:len(piece)] = piece
     return tokens, len(piece)
 

@@ -33,8 +33,8 @@ from jaxdisagg.model.paged import (
     decode_step,
     prefill_chunk,
     prefill_chunk_group,
+    smallest_fit,
     table_widths,
-    width_for,
 )
 from jaxdisagg.model.sampling import RowParams, row_params, sample_rows
 from jaxdisagg.pallas.attention import resolve_backend
@@ -51,10 +51,6 @@ def chunk_buckets(chunk_size: int, step: int = 16, fine_up_to: int = 64) -> list
         sizes.add(size)
         size *= 2
     return sorted(sizes | {chunk_size})
-
-
-def bucket_for(n: int, buckets: list[int]) -> int:
-    return next(b for b in buckets if b >= n)
 
 
 def layer_groups(num_layers: int, group_size: int) -> list[range]:
@@ -158,7 +154,7 @@ class PoolInstance:
         The block tables are cut to the narrowest compiled width that holds the
         longest sequence, so attention reads what the batch holds, not max_pages."""
         pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
-        width = width_for(max(pages, 1), self.table_widths)
+        width = smallest_fit(pages, self.table_widths)
         new, logprobs, self.kv = self._decode(self.state, self.kv, tokens, positions,
                                               block_tables[:, :width], seq_lens, rows)
         return new, logprobs

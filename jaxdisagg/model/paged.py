@@ -212,8 +212,10 @@ def table_widths(max_pages: int, count: int = 4) -> list[int]:
     return sorted({max(1, max_pages >> k) for k in range(count)})
 
 
-def width_for(pages: int, widths: list[int]) -> int:
-    return next(w for w in widths if w >= pages)
+def smallest_fit(n: int, sizes: list[int]) -> int:
+    """The smallest compiled size (sorted `sizes`) that holds n: a table width, a chunk
+    bucket."""
+    return next(s for s in sizes if s >= n)
 
 
 class ServingFns(NamedTuple):
