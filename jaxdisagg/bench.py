@@ -301,6 +301,7 @@ def summarize(records: list[Record], slo: SLO) -> dict:
            "goodput_req_s": sum(slo.met(r) for r in records) / span}
     for name, values in (("ttft", [r.ttft for r in ok]), ("tpot", [r.tpot for r in ok]),
                          ("itl", [g for r in ok for g in r.itl]), ("e2e", [r.e2e for r in ok])):
+        values = sorted(v for v in values if v is not None)  # once, not per percentile
         for q in (50, 90, 99):
             v = _pct(values, q)
             out[f"{name}_p{q}_ms"] = None if v is None else v * 1e3

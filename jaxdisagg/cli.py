@@ -365,18 +365,7 @@ def cmd_bench(args) -> int:
 
     from jaxdisagg import bench
 
-    workload = bench.Workload(
-        requests=args.requests, rate=args.rate, burstiness=args.burstiness,
-        prompt=bench.Lengths.parse(args.prompt_len, "--prompt-len"),
-        output=bench.Lengths.parse(args.output_len, "--output-len"),
-        shared_prefix=args.shared_prefix, seed=args.seed, warmup=args.warmup)
-    if args.requests <= 0 or (args.rate is not None and args.rate <= 0) \
-            or args.burstiness <= 0:
-        raise ValueError("--requests, --rate and --burstiness must be positive")
-    slo = bench.SLO.parse(args.slo)
-    if args.sweep and args.rate is not None:
-        raise ValueError("--rate: --sweep gives the rates; pass one or the other")
-    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
+    workload, slo, rates = _workload(args)
     bounds = [f"{k} <= {v:g} ms" for k, v in (("TTFT", slo.ttft_ms), ("TPOT", slo.tpot_ms))
               if v is not None]
     print(f"SLO: {' and '.join(bounds) or 'none'} (--slo)", file=sys.stderr)
@@ -441,6 +430,107 @@ def cmd_bench(args) -> int:
              "goodput_rate": {k: bench.goodput_rate(v) for k, v in curves.items()},
              "requests": raw}, indent=1))
         print(f"wrote {args.json}")
+    return 0
+
+
+def _workload(args):
+    """The workload, SLO and rates of `bench` and `simulate`'s shared flags."""
+    from jaxdisagg import bench
+
+    workload = bench.Workload(
+        requests=args.requests, rate=args.rate, burstiness=args.burstiness,
+        prompt=bench.Lengths.parse(args.prompt_len, "--prompt-len"),
+        output=bench.Lengths.parse(args.output_len, "--output-len"),
+        shared_prefix=args.shared_prefix, seed=args.seed, warmup=args.warmup)
+    if args.requests <= 0 or (args.rate is not None and args.rate <= 0) \
+            or args.burstiness <= 0:
+        raise ValueError("--requests, --rate and --burstiness must be positive")
+    if args.sweep and args.rate is not None:
+        raise ValueError("--rate: --sweep gives the rates; pass one or the other")
+    rates = [float(r) for r in args.sweep.split(",")] if args.sweep else [args.rate]
+    return workload, bench.SLO.parse(args.slo), rates
+
+
+def cmd_simulate(args) -> int:
+    import dataclasses
+    import json
+
+    from jaxdisagg import bench, planner
+    from jaxdisagg import roofline as rl
+    from jaxdisagg import simulate as sim
+    from jaxdisagg.mesh.config import load_config
+
+    workload, slo, rates = _workload(args)
+    if args.hardware not in rl.HARDWARE:
+        raise ValueError(f"--hardware: one of {', '.join(rl.HARDWARE)}, got {args.hardware!r}")
+    if args.fabric not in rl.FABRICS:
+        raise ValueError(f"--fabric: one of {', '.join(rl.FABRICS)}, got {args.fabric!r}")
+    hw = rl.HARDWARE[args.hardware]
+    if args.plan:
+        cfg = _model_config(args.model or "llama3-8b")
+        found = planner.plan(cfg, hw, args.gpus, workload, slo,
+                             planner.Search(fabric=args.fabric))
+        print(f"{cfg.name} on {args.gpus} x {hw.name}, SLO {slo}")
+        print(planner.describe(found))
+        if args.json:
+            Path(args.json).write_text(json.dumps(dataclasses.asdict(found), indent=1))
+        return 0
+    cfg = load_config(args.config)
+    if args.calibrate:
+        if args.cores:
+            os.sched_setaffinity(0, _int_list(args.cores, "--cores"))
+        from jaxdisagg.calibrate import calibrate
+
+        pools = args.pools.split(",") if args.pools else None
+        measured = calibrate(cfg, pools)
+        for name, (costs, _) in measured.items():
+            print(f"{name}: prefill s = {costs.prefill[0]:.3g} + {costs.prefill[1]:.3g} "
+                  f"* tokens + {costs.prefill[2]:.3g} * pairs; decode s = "
+                  f"{costs.decode[0]:.3g} + {costs.decode[1]:.3g} * rows + "
+                  f"{costs.decode[2]:.3g} * width")
+        sim.save_calibration(args.calibrate, measured, {"config": args.config,
+                                                         "cores": args.cores})
+        print(f"wrote {args.calibrate}")
+        return 0
+    if args.calibration:
+        costs = {}
+        for path in args.calibration.split(","):
+            costs.update(sim.load_calibration(path)[0])
+    else:
+        from jaxdisagg.model.config import get_preset
+
+        mcfg = get_preset(cfg.model.name)
+        m = rl.Model.from_config(mcfg, 4 if cfg.model.dtype == "float32" else 2)
+        costs = {name: sim.RooflineCosts(m, hw, p.tp, args.overhead_ms / 1e3,
+                                         rl.FABRICS[args.fabric], mcfg.hidden_size,
+                                         mcfg.num_layers)
+                 for name, p in cfg.pools().items()}
+    missing = [n for n in cfg.pools() if n not in costs]
+    if missing:
+        raise ValueError(f"--calibration: no costs for pool(s) {', '.join(missing)}")
+    transfer = None
+    if cfg.mode == "disaggregated":
+        from jaxdisagg.model.config import get_preset
+
+        m = rl.Model.from_config(get_preset(cfg.model.name),
+                                 4 if cfg.model.dtype == "float32" else 2)
+        transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS[args.fabric],
+                                args.transfer_base_ms / 1e3,
+                                blocking=cfg.transfer.kind == "cross_process")
+    system = sim.system_from_config(cfg, costs, transfer, args.iteration_ms / 1e3)
+    results = {}
+    for rate in rates:
+        results[rate] = sim.run(system, dataclasses.replace(workload, rate=rate), slo)
+    print(bench.table({f"{'all at once' if r is None else f'{r:g} req/s'}": v
+                       for r, v in results.items()}))
+    curves = [(r, v["slo_attainment"]) for r, v in results.items() if r is not None]
+    if len(curves) > 1:
+        g = bench.goodput_rate(curves)
+        print("goodput rate (90% attainment): "
+              + ("below the lowest rate" if g is None else f"{g:.2f} req/s"))
+    if args.json:
+        Path(args.json).write_text(json.dumps({str(r): v for r, v in results.items()},
+                                              indent=1))
     return 0
 
 
@@ -695,22 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the colocated deployment of --compare")
     b.add_argument("--disaggregated-config", default=str(CONFIGS / "cpu-1p1d.yaml"),
                    help="the disaggregated deployment of --compare")
-    b.add_argument("--requests", type=int, default=32,
-                   help="measured requests (warm-up ones come on top)")
-    b.add_argument("--rate", type=float, default=None, help="requests/s (default: all at once)")
-    b.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
-    b.add_argument("--prompt-len", default="fixed:256", help="fixed:N | uniform:A:B | "
-                                                             "lognormal:MEAN:SIGMA")
-    b.add_argument("--output-len", default="fixed:32",
-                   help="new tokens per request: fixed:N | uniform:A:B | lognormal:MEAN:SIGMA")
-    b.add_argument("--shared-prefix", type=int, default=0,
-                   help="tokens every prompt starts with (prefix-cache hits)")
-    b.add_argument("--seed", type=int, default=0,
-                   help="workload seed (arrivals, lengths, token ids)")
-    b.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first")
-    b.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100",
-                   help="the SLO goodput is judged against: ttft_ms=X,tpot_ms=Y")
-    b.add_argument("--sweep", metavar="R1,R2,...", help="request rates for attainment curves")
+    _add_workload_args(b)
     b.add_argument("--json", metavar="FILE",
                    help="also write every figure and request record as JSON")
     b.add_argument("--plot", metavar="PNG", help="attainment curves (with --sweep)")
@@ -738,6 +813,34 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--json", metavar="FILE", help="also write every figure as JSON")
     r.set_defaults(fn=cmd_roofline)
 
+    m = sub.add_parser("simulate", help="discrete-event simulation of a deployment (calibrated "
+                                        "here or from the roofline), and the xPyD planner")
+    m.add_argument("--config", default=str(CONFIGS / "cpu-2proc.yaml"),
+                   help="the deployment to simulate or calibrate")
+    m.add_argument("--calibration", metavar="JSON[,JSON]",
+                   help="step costs measured by --calibrate (default: the roofline of "
+                        "--hardware)")
+    m.add_argument("--calibrate", metavar="OUT.json",
+                   help="measure the config's pools here, fit their step costs, write them")
+    m.add_argument("--pools", help="with --calibrate: only these pools (comma-separated)")
+    m.add_argument("--cores", metavar="C1,...",
+                   help="with --calibrate: pin to these cores first (as `launch` pins pools)")
+    m.add_argument("--hardware", default="h100-sxm", help="roofline hardware entry")
+    m.add_argument("--fabric", default="nvlink", help="KV transfer fabric (roofline FABRICS)")
+    m.add_argument("--transfer-base-ms", type=float, default=0.1,
+                   help="fixed cost of one KV transfer on top of bytes / fabric")
+    m.add_argument("--overhead-ms", type=float, default=2.0,
+                   help="roofline costs: fixed time per program call")
+    m.add_argument("--iteration-ms", type=float, default=0.0,
+                   help="host time per decode-worker iteration")
+    m.add_argument("--plan", action="store_true",
+                   help="search P:D ratios, tp and chunk sizes for --model on --gpus")
+    m.add_argument("--model", help="with --plan: preset or HF config.json (default llama3-8b)")
+    m.add_argument("--gpus", type=int, default=8, help="with --plan: the cluster's GPUs")
+    _add_workload_args(m)
+    m.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    m.set_defaults(fn=cmd_simulate)
+
     d = sub.add_parser("demo", help="serve a mixed batch through the disaggregated engine, "
                                     "then through the colocated one, and compare")
     d.add_argument("--model", default="auto",
@@ -755,6 +858,28 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0, help="workload seed")
     d.set_defaults(fn=cmd_demo)
     return p
+
+
+def _add_workload_args(parser) -> None:
+    """The workload and SLO flags `bench` and `simulate` share."""
+    parser.add_argument("--requests", type=int, default=32,
+                        help="measured requests (warm-up ones come on top)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="requests/s (default: all at once)")
+    parser.add_argument("--burstiness", type=float, default=1.0, help="gamma shape; 1 is Poisson")
+    parser.add_argument("--prompt-len", default="fixed:256",
+                        help="fixed:N | uniform:A:B | lognormal:MEAN:SIGMA")
+    parser.add_argument("--output-len", default="fixed:32",
+                        help="new tokens per request: fixed:N | uniform:A:B | lognormal:MEAN:SIGMA")
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt starts with (prefix-cache hits)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="workload seed (arrivals, lengths, token ids)")
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests sent first")
+    parser.add_argument("--slo", default="ttft_ms=1000,tpot_ms=100",
+                        help="the SLO goodput is judged against: ttft_ms=X,tpot_ms=Y")
+    parser.add_argument("--sweep", metavar="R1,R2,...",
+                        help="request rates for attainment curves")
 
 
 def _host_devices(n: int = 8) -> None:

@@ -1,0 +1,80 @@
+"""Step times of a deployment's own pools, measured, and the simulator's costs fitted
+to them (`jaxdisagg simulate --calibrate`).
+
+Each pool of the config is built as serving builds it (its devices, tp, chunk
+buckets, table widths) and its programs are timed as the schedulers call them:
+
+* prefill: one chunk at every compiled bucket, over no prefix and over a long one,
+  with the first token sampled as the last chunk's is;
+* decode: a step with 1, half and all slots active at every compiled table width,
+  tokens copied to the host as the decode worker does.
+
+`simulate.fit_costs` turns the medians into a `FittedCosts` per pool. Pools that
+run in their own pinned processes (`jaxdisagg launch`) should be measured the same
+way: `--cores` pins this process before JAX starts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxdisagg import simulate as sim
+from jaxdisagg.roofline import median_seconds
+
+
+def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
+    """(tokens, prefix, s) prefill points and (active, width tokens, s) decode points."""
+    from jaxdisagg.model.sampling import SamplingParams, row_params, sample_rows
+
+    bs = inst.layout.block_size
+    reach = inst.max_pages * bs
+    table = np.arange(inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
+    prefill = []
+    for bucket in inst.chunk_buckets:
+        for prefix in sorted({0, max(0, min(reach - bucket, reach // 2) // bs * bs)}):
+            tokens = np.ones(bucket, np.int32)
+
+            def chunk(tokens=tokens, prefix=prefix, bucket=bucket):
+                logits = inst.prefill(tokens, prefix, bucket, table)
+                sample_rows(logits[None], [SamplingParams()], [0])
+
+            prefill.append((bucket, prefix, median_seconds(chunk, repeats)))
+    slots = inst.pool.max_slots
+    decode = []
+    if inst.name != "prefill":  # a prefill pool never decodes
+        pages = inst.max_pages
+        tables = (np.arange(slots * pages, dtype=np.int32) % inst.pool.num_blocks
+                  ).reshape(slots, pages)
+        for active in sorted({1, max(1, slots // 2), slots}):
+            params = [SamplingParams()] * active + [None] * (slots - active)
+            rows = row_params(params, 1, inst.config.vocab_size)
+            for width in inst.table_widths:
+                lens = np.zeros(slots, np.int32)
+                lens[:active] = width * bs - 1
+                pos = np.maximum(lens - 1, 0)
+
+                def step(pos=pos, lens=lens, rows=rows):
+                    new, logprobs = inst.decode(np.ones(slots, np.int32), pos, tables, lens,
+                                                rows)
+                    np.asarray(new), np.asarray(logprobs)
+
+                decode.append((active, width * bs, median_seconds(step, repeats)))
+    return prefill, decode
+
+
+def calibrate(config, pools=None, repeats: int = 5) -> dict[str, tuple]:
+    """{pool: (FittedCosts, measured points)} for each pool (of `pools`, default all)
+    of a deployment config."""
+    from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.mesh.deployment import Deployment
+
+    cfg = load_config(config) if isinstance(config, str) else config
+    out = {}
+    for name in pools or list(cfg.pools()):
+        role = name if cfg.mode == "disaggregated" else None
+        inst = Deployment.build(cfg, role=role).pools[name][0]
+        prefill, decode = measure_pool(inst, repeats)
+        widths = [w * inst.layout.block_size for w in inst.table_widths]
+        costs = sim.fit_costs(prefill, decode or [(1, widths[0], 0.0)], widths, name)
+        out[name] = (costs, {"prefill": prefill, "decode": decode})
+    return out

@@ -1,0 +1,174 @@
+"""The discrete-event simulator against cases with closed-form answers, and the planner
+against an exhaustive search."""
+
+import dataclasses
+import statistics
+
+import numpy as np
+import pytest
+
+from jaxdisagg import bench, planner
+from jaxdisagg import roofline as rl
+from jaxdisagg import simulate as sim
+from jaxdisagg.model.config import get_preset
+
+
+def costs(prefill=(0.0, 0.0, 0.0), decode=(0.0, 0.0, 0.0)) -> sim.FittedCosts:
+    return sim.FittedCosts(prefill, decode, (1 << 20,))
+
+
+def disagg(prefill_costs, decode_costs, slots=8, chunk=64, transfer=None, queue=4,
+           decoders=1, prefillers=1) -> sim.System:
+    return sim.System("disaggregated", sim.PoolSpec(decoders, decode_costs, chunk, slots),
+                      sim.PoolSpec(prefillers, prefill_costs, chunk),
+                      transfer or sim.Transfer(0, 1.0), queue)
+
+
+def test_buckets_are_the_pools_buckets():
+    from jaxdisagg.mesh.pool import chunk_buckets
+
+    for size in (16, 48, 64, 100, 512, 2048):
+        assert list(sim.buckets(size)) == chunk_buckets(size)
+
+
+def test_one_request_timeline_is_the_sum_of_its_steps():
+    """prompt 100 in chunks of 64: pieces of 64 and 36 (run as 48), a transfer, then
+    O-1 decode steps."""
+    a, b, d = 0.010, 0.001, 0.004
+    tr = sim.Transfer(bytes_per_token=1000, bandwidth=1e6, base_s=0.002)  # 0.102 s
+    system = disagg(costs((a, b, 0.0)), costs(decode=(d, 0.0, 0.0)), transfer=tr)
+    (rec,) = sim.simulate(system, [(1.0, 100, 5)])
+    prefill = (a + 64 * b) + (a + 48 * b)
+    assert rec.ttft == pytest.approx(prefill + 0.102)
+    assert rec.itl == pytest.approx([d] * 4)
+    assert rec.e2e == pytest.approx(prefill + 0.102 + 4 * d)
+    assert rec.stages["prefill"] == pytest.approx(prefill)
+    assert rec.tokens == 5
+
+
+def test_a_blocking_pull_stalls_the_decode_batch():
+    """Cross-process: the decode thread pulls the KV itself, so a request decoding
+    meanwhile sees one gap of a step plus the pull."""
+    d, pull = 0.004, 0.050
+    tr = sim.Transfer(1, 1e9, base_s=pull, blocking=True)
+    system = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0)), transfer=tr)
+    first, second = sim.simulate(system, [(0.0, 16, 40), (0.030, 16, 2)])
+    assert first.ttft == pytest.approx(0.001 + pull)
+    assert max(first.itl) == pytest.approx(pull + d, rel=1e-6)
+    assert sorted(first.itl)[-2] == pytest.approx(d)
+    assert second.ttft >= pull
+
+
+def test_saturated_decode_throughput_is_batch_over_step_time():
+    """With more requests waiting than slots, a decode instance emits slots / step
+    decode tokens per second (first tokens surface at admission and are left out;
+    counted once the ramp-up, as handoffs trickle in, is over), and the whole run
+    takes about n / slots * (out - 1) steps."""
+    d, slots, out, n = 0.010, 8, 33, 64
+    system = disagg(None, costs(decode=(d, 0.0, 0.0)), slots=slots, queue=1 << 20)
+    recs = sim.simulate(system, [(0.0, 16, out)] * n)
+    times = np.concatenate([r.arrival + r.ttft + np.cumsum(r.itl) for r in recs])  # no 1st
+    lo, hi = 0.5, 2.0
+    assert ((times > lo) & (times <= hi)).sum() / (hi - lo) == pytest.approx(slots / d)
+    assert max(r.e2e for r in recs) == pytest.approx(n / slots * (out - 1) * d, abs=2 * d)
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.5])
+def test_prefill_queue_is_md1(rho):
+    """One prefill instance with a deterministic service time S under Poisson arrivals:
+    mean wait = rho S / (2 (1 - rho)) (Pollaczek-Khinchine), so mean TTFT = S + wait
+    when transfer and decode cost nothing."""
+    s = 0.020
+    system = disagg(costs((s, 0.0, 0.0)), None, queue=1 << 20)
+    wl = bench.Workload(requests=6000, rate=rho / s, prompt=bench.Lengths("fixed", 64),
+                        output=bench.Lengths("fixed", 2), seed=1, warmup=0)
+    ttft = statistics.mean(r.ttft for r in sim.simulate(system, sim.plan_of(wl)))
+    assert ttft == pytest.approx(s + rho * s / (2 * (1 - rho)), rel=0.05)
+
+
+def test_colocated_steps_carry_one_chunk_each():
+    """A colocated instance piggybacks one chunk on each decode step: a request decoding
+    while a 128-token prompt arrives sees two gaps of chunk + step."""
+    chunk_s, d = 0.030, 0.005
+    system = sim.System("colocated", sim.PoolSpec(1, costs((chunk_s, 0.0, 0.0),
+                                                           (d, 0.0, 0.0)), 64, 4))
+    first, _ = sim.simulate(system, [(0.0, 16, 30), (0.050, 128, 2)])
+    gaps = sorted(first.itl)
+    assert gaps[-2:] == pytest.approx([chunk_s + d] * 2)
+    assert gaps[0] == pytest.approx(d)
+
+
+def test_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    p, d = (0.002, 1e-5, 3e-9), (0.004, 2e-4, 1e-6)
+    pre = [(t, s, p[0] + p[1] * t + p[2] * t * (s + (t + 1) / 2))
+           for t in (16, 64, 256) for s in (0, 512, 1024)]
+    dec = [(b, w, d[0] + d[1] * b + d[2] * w) for b in (1, 4, 8) for w in (128, 512)]
+    fitted = sim.fit_costs(pre, dec, [128, 512])
+    assert fitted.prefill == pytest.approx(p, rel=1e-6)
+    assert fitted.decode == pytest.approx(d, rel=1e-6)
+    # noise that would push a term below zero drops the term instead
+    flat = [(b, w, 0.004 + rng.normal(0, 1e-6)) for b, w, _ in dec]
+    assert min(sim.fit_costs(pre, flat, [128, 512]).decode) >= 0
+
+
+def test_calibration_file_round_trips(tmp_path):
+    c = sim.FittedCosts((1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (16, 32), "decode")
+    sim.save_calibration(tmp_path / "c.json", {"decode": (c, {"prefill": [], "decode": []})},
+                         {"config": "x"})
+    loaded, extra = sim.load_calibration(tmp_path / "c.json")
+    assert loaded == {"decode": c} and extra["config"] == "x"
+
+
+def test_max_rate_finds_the_knee_of_a_known_queue():
+    """One prefill server of S = 20 ms with a TTFT SLO of 60 ms: M/D/1 response times
+    exceed 3 S for 10% of requests near rho ~ 0.65; the bisection lands there."""
+    s = 0.020
+    system = disagg(costs((s, 0.0, 0.0)), None, queue=1 << 20)
+    wl = bench.Workload(requests=3000, prompt=bench.Lengths("fixed", 64),
+                        output=bench.Lengths("fixed", 2), seed=2, warmup=0)
+    rate = sim.max_rate(system, wl, bench.SLO(ttft_ms=60), guess=10)
+    assert 0.5 / s < rate < 0.85 / s
+    assert sim.max_rate(system, wl, bench.SLO(ttft_ms=10), guess=10) == 0.0  # S > SLO
+
+
+def test_match_picks_the_balanced_ratio():
+    # prefill instances take 10 req/s, decode ones 30: 3P:1D serves 30 on 4 GPUs
+    best = planner.match([(10.0, 1, 512)], [(30.0, 1, 64)], max_gpus=4)[0]
+    assert (best["prefill"], best["decode"]) == (3, 1)
+    assert best["estimate_per_gpu"] == pytest.approx(7.5)
+
+
+@pytest.fixture(scope="module")
+def small_search():
+    wl = bench.Workload(prompt=bench.Lengths("uniform", 1024, 3072),
+                        output=bench.Lengths("fixed", 128), seed=0)
+    s = planner.Search(tps=(1,), chunks=(1024,), max_unit=4, requests=150, verify=2)
+    return get_preset("llama2-7b"), rl.HARDWARE["h100-sxm"], wl, bench.SLO(1000, 40), s
+
+
+def test_planner_matches_exhaustive_search(small_search):
+    """Every disaggregated unit of at most 4 single-GPU instances, simulated whole: the
+    planner's pick is within 10% of the best of them."""
+    cfg, hw, wl, slo, s = small_search
+    found = planner.plan(cfg, hw, 4, wl, slo, s)
+    m = rl.Model.from_config(cfg, 2)
+    slots = planner._slots(cfg, m, hw, 1, wl, s)
+    best = 0.0
+    for x in range(1, 4):
+        for y in range(1, 5 - x):
+            c = {"prefill": x, "decode": y, "prefill_tp": 1, "decode_tp": 1, "chunk": 1024,
+                 "slots": slots}
+            system = planner.unit(cfg, m, hw, c, s, planner.fabric_transfer(m, s))
+            n = dataclasses.replace(wl, requests=s.requests * (x + y) + 4 * y * slots)
+            best = max(best, planner._rate(system, n, slo) / (x + y))
+    assert found.disaggregated["goodput_per_gpu"] >= 0.9 * best
+    assert found.colocated["tp"] == 1 and found.colocated["goodput_per_gpu"] > 0
+
+
+def test_planner_gain_grows_as_tpot_tightens(small_search):
+    """DistServe's finding, reproduced on the model: with long prompts, disaggregation's
+    edge over colocation grows as the TPOT SLO tightens."""
+    cfg, hw, wl, _, s = small_search
+    gains = [planner.plan(cfg, hw, 8, wl, bench.SLO(1000, tpot), s).gain for tpot in (25, 200)]
+    assert gains[0] > gains[1]
