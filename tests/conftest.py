@@ -8,6 +8,16 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The deployment secret of the internal channels: every process the tests start
 # inherits it (tests/test_security.py starts processes without it on purpose).
 os.environ.setdefault("JAXDISAGG_SECRET", "test-" + os.urandom(16).hex())
+# One persistent compilation cache for this session and every process it starts:
+# the servers, launches and docs blocks the tests run compile the same programs,
+# and a hit loads them instead of compiling again. A fresh directory per session,
+# so nothing outlives the run (test_transfer's no-compilation check counts lowering,
+# which a cache hit still does).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jaxdisagg-jit-")
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import pytest  # noqa: E402
 
