@@ -25,7 +25,6 @@ benchmarks/disagg_vs_colocated.md from every such file present.
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -60,17 +59,20 @@ EXPERIMENTS = {
     "tiny": {
         "config": "configs/cpu-2proc.yaml", "candidates": [(32, 8), (64, 8), (128, 8), (64, 16)],
         "long": {"prompt": ("uniform", 400, 900), "output": 64, "requests": 40,
-                 "slo": (500, 15), "coarse": (3, 6, 10), "rates": (3, 4, 5, 6, 7, 8, 10)},
+                 "slo": (500, 15), "coarse": (3, 6, 10),
+                 "rates": (4, 5, 6, 7, 8, 10, 12, 14)},
         "short": {"prompt": ("uniform", 16, 64), "output": 64, "requests": 40,
-                  "slo": (1000, 40), "coarse": (8, 16, 32), "rates": (6, 9, 12, 15, 18, 24)},
+                  "window_s": 10, "slo": (1000, 40), "coarse": (12, 24, 40),
+                  "rates": (12, 16, 20, 24, 28, 32, 40)},
     },
     "smollm2": {
-        "config": "configs/cpu-smollm2-2proc.yaml", "candidates": [(64, 8), (128, 8)],
-        "long": {"prompt": ("uniform", 300, 600), "output": 24, "requests": 16,
+        "config": "configs/cpu-smollm2-2proc.yaml", "candidates": [(128, 8), (64, 8)],
+        "long": {"prompt": ("uniform", 300, 600), "output": 24, "requests": 12,
                  "slo": (4000, 150), "coarse": (0.3, 0.6, 1.2),
                  "rates": (0.2, 0.35, 0.5, 0.7, 1.0)},
-        "short": {"prompt": ("uniform", 16, 64), "output": 24, "requests": 16,
-                  "slo": (4000, 400), "coarse": (0.5, 1.0, 2.0), "rates": (0.5, 1, 1.5, 2, 3)},
+        "short": {"prompt": ("uniform", 16, 64), "output": 24, "requests": 12,
+                  "window_s": 12, "slo": (4000, 400), "coarse": (0.5, 1.0, 2.0),
+                  "rates": (0.5, 1, 1.5, 2, 3)},
     },
 }
 
@@ -79,9 +81,12 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def workload(spec: dict, seed: int) -> bench.Workload:
+def workload(spec: dict, seed: int, rate: float) -> bench.Workload:
+    """At least `requests`, and at least `window_s` seconds of arrivals: a rate above
+    capacity must build a queue longer than the TTFT SLO before arrivals stop."""
     kind, a, b = spec["prompt"]
-    return bench.Workload(requests=spec["requests"], prompt=bench.Lengths(kind, a, b),
+    n = max(spec["requests"], int(np.ceil(rate * spec.get("window_s", 0))))
+    return bench.Workload(requests=n, rate=rate, prompt=bench.Lengths(kind, a, b),
                           output=bench.Lengths("fixed", spec["output"]), seed=seed, warmup=2)
 
 
@@ -122,29 +127,33 @@ def stop(proc) -> None:
         proc.kill()
 
 
-def calibrate(model: str, disagg: str, colocated: str) -> dict[str, str]:
+def calibrate(model: str, kind: str, disagg: str, colocated: str) -> dict[str, str]:
     """Calibration files per deployment: the pinned pools one per core, the colocated
     pool unpinned."""
     out = {}
     jobs = [("prefill", disagg, "prefill", "0"), ("decode", disagg, "decode", "1"),
             ("colocated", colocated, "colocated", None)]
     for name, config, pool, cores in jobs:
-        path = RESULTS / f"calibration_{model}_{name}.json"
+        path = RESULTS / f"calibration_{model}_{kind}_{name}.json"
         args = ["simulate", "--calibrate", str(path), "--config", config, "--pools", pool]
         if cores is not None:
             args += ["--cores", cores]
         log(f"calibrating {name}")
-        proc = cli(*args)
-        proc.wait()
-        if proc.returncode:
-            raise RuntimeError(f"calibrating {name} failed ({proc.returncode})")
+        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+        done = subprocess.run([sys.executable, "-m", "jaxdisagg.cli", *args], env=env,
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"calibrating {name} failed: {done.stderr[-2000:]}")
         out[name] = str(path)
     return out
 
 
 def per_request(records: list[bench.Record], slo: bench.SLO) -> list[dict]:
-    return [{"ttft": r.ttft, "tpot": r.tpot, "met": slo.met(r), "status": r.status}
-            for r in records]
+    def num(x):
+        return None if x is None else float(x)
+
+    return [{"ttft": num(r.ttft), "tpot": num(r.tpot), "met": bool(slo.met(r)),
+             "status": r.status} for r in records]
 
 
 def sweep(address: str, spec: dict, seed: int, rates) -> dict:
@@ -153,12 +162,40 @@ def sweep(address: str, spec: dict, seed: int, rates) -> dict:
     out = {}
     try:
         for rate in rates:
-            records = bench.run(target, dataclasses.replace(workload(spec, seed), rate=rate))
-            out[str(rate)] = {"summary": bench.summarize(records, slo),
-                              "requests": per_request(records, slo)}
+            records = bench.run(target, workload(spec, seed, rate))
+            out[str(float(rate))] = {"summary": bench.summarize(records, slo),
+                                     "requests": per_request(records, slo)}
     finally:
         target.client.close()
     return out
+
+
+PROBE_PROMPT = 512
+
+
+def probe(address: str, slots: int) -> dict:
+    """The served system's overheads at two load points, measured before the
+    experiment (its only input to the simulator besides the step calibration): a
+    lone request's TTFT (prompt PROBE_PROMPT) and the inter-token gap of a full batch
+    of short requests. `simulated` charges the differences from the calibrated step
+    times to the KV transfer's fixed cost and to a host time per token emitted
+    (detokenizing and streaming, which share the decode instance's cores)."""
+    target = bench.ServerTarget(address)
+    try:
+        idle = []
+        for seed in range(3):
+            rec = bench.Record(PROBE_PROMPT, 0.0)
+            prompt = np.random.default_rng(seed).integers(3, 250, PROBE_PROMPT).tolist()
+            target.run_one(prompt, 2, rec)
+            idle.append(rec.ttft)
+        wl = bench.Workload(requests=slots, prompt=bench.Lengths("fixed", 16),
+                            output=bench.Lengths("fixed", 64), seed=7, warmup=0)
+        records = bench.run(target, wl)
+        gaps = [g for r in records for g in r.itl[8:56]]
+    finally:
+        target.client.close()
+    return {"idle_ttft_s": statistics.median(idle), "batch_itl_s": statistics.median(gaps),
+            "slots": slots}
 
 
 def goodput_of(run: dict) -> float | None:
@@ -167,13 +204,17 @@ def goodput_of(run: dict) -> float | None:
 
 
 def bootstrap(runs: list[dict], draws: int = 2000, seed: int = 0) -> dict:
-    """Goodput rate: median and 95% interval of a two-level bootstrap (runs, then
-    requests within each rate of each drawn run). A curve that never falls below 90%
-    counts as its highest rate; one that starts below counts as 0."""
+    """Goodput rate of the pooled attainment curve (every run's requests at each rate
+    together: the rate where the expected attainment falls through 90%), with the 95%
+    interval of a two-level bootstrap (runs resampled, then requests within each rate
+    of each drawn run). A curve that never falls below 90% counts as its highest rate;
+    one that starts below counts as 0. Each run's own goodput rate is kept too."""
     rng = np.random.default_rng(seed)
     rates = sorted(float(r) for r in runs[0])
     met = [[np.array([q["met"] for q in run[str(r)]["requests"]], float) for r in rates]
            for run in runs]
+    pooled = bench.goodput_rate([(rate, np.concatenate([m[k] for m in met]).mean())
+                                 for k, rate in enumerate(rates)]) or 0.0
     values = []
     for _ in range(draws):
         picked = rng.integers(0, len(runs), len(runs))
@@ -182,9 +223,10 @@ def bootstrap(runs: list[dict], draws: int = 2000, seed: int = 0) -> dict:
             flags = np.concatenate([met[i][k] for i in picked])
             curve.append((rate, rng.choice(flags, flags.size).mean()))
         values.append(bench.goodput_rate(curve) or 0.0)
-    lo, mid, hi = np.percentile(values, [2.5, 50, 97.5])
+    lo, hi = np.percentile(values, [2.5, 97.5])
     per_run = [goodput_of(run) or 0.0 for run in runs]
-    return {"median": float(mid), "lo": float(lo), "hi": float(hi), "per_run": per_run}
+    return {"pooled": pooled, "lo": float(lo), "hi": float(hi), "per_run": per_run,
+            "per_run_median": statistics.median(per_run)}
 
 
 def verdict(a: dict, b: dict, names=("disaggregated", "colocated")) -> str:
@@ -196,36 +238,49 @@ def verdict(a: dict, b: dict, names=("disaggregated", "colocated")) -> str:
 
 
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
-              disagg_path: str, colocated_path: str) -> dict:
-    """The same seeds and rates through the simulator on the calibrated costs."""
+              disagg_path: str, colocated_path: str, probes: dict) -> tuple[dict, dict]:
+    """The same seeds and rates through the simulator: step costs from the calibration
+    files, the transfer's bytes from the fabric table's loopback row, and the two
+    overheads the probes measured (see `probe`)."""
     slo = bench.SLO(*spec["slo"])
     m = rl.Model.from_config(get_preset("smollm2-135m" if model == "smollm2" else model), 4)
-    transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"], 3e-3, blocking=True)
     costs = {}
     for path in calib.values():
         costs.update(sim.load_calibration(path)[0])
-    systems = {"disaggregated": sim.system_from_config(load_config(str(ROOT / disagg_path)),
-                                                       costs, transfer),
-               "colocated": sim.system_from_config(load_config(colocated_path), costs)}
-    out = {}
-    for name, system in systems.items():
+    configs = {"disaggregated": load_config(str(ROOT / disagg_path)),
+               "colocated": load_config(colocated_path)}
+    out, overheads = {}, {}
+    for name, cfg in configs.items():
+        def system(token=0.0, base=0.0, cfg=cfg):
+            transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"], base,
+                                    blocking=True)
+            return sim.system_from_config(cfg, costs, transfer, token_s=token)
+
+        pr = probes[name]
+        batch = [(0.0, 16, 64)] * pr["slots"]
+        itl = statistics.median(g for r in sim.simulate(system(), batch) for g in r.itl[8:56])
+        token = max(0.0, pr["batch_itl_s"] - itl) / pr["slots"]
+        lone = sim.simulate(system(token), [(0.0, PROBE_PROMPT, 2)])[0].ttft
+        base = max(0.0, pr["idle_ttft_s"] - lone) if name == "disaggregated" else 0.0
+        overheads[name] = {"token_s": token, "transfer_base_s": base,
+                           "calibrated_itl_s": itl, "calibrated_idle_ttft_s": lone}
         runs = []
         for seed in seeds:
             run = {}
             for rate in rates:
-                wl = dataclasses.replace(workload(spec, seed), rate=rate)
-                records = sim.simulate(system, sim.plan_of(wl))
-                run[str(rate)] = {"summary": bench.summarize(records, slo),
-                                  "requests": per_request(records, slo)}
+                wl = workload(spec, seed, rate)
+                records = sim.simulate(system(token, base), sim.plan_of(wl))
+                run[str(float(rate))] = {"summary": bench.summarize(records, slo),
+                                         "requests": per_request(records, slo)}
             runs.append(run)
         out[name] = runs
-    return out
+    return out, overheads
 
 
 def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     exp = EXPERIMENTS[model]
     spec, disagg = exp[kind], exp["config"]
-    best = exp["candidates"][1] if model == "tiny" else exp["candidates"][0]
+    best = exp["candidates"][1] if model == "tiny" else exp["candidates"][0]  # untuned
     tuning = {}
     if tune:
         for chunk, slots in exp["candidates"]:
@@ -241,12 +296,15 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
             log(f"  attained {tuning[f'{chunk}x{slots}']} requests")
         best = max(exp["candidates"], key=lambda c: tuning[f"{c[0]}x{c[1]}"])
     colocated = colocated_config(disagg, *best)
-    calib = calibrate(model, disagg, colocated)
+    calib = calibrate(model, kind, disagg, colocated)
     runs = {"disaggregated": [], "colocated": []}
     launch, d_addr = start("launch", "--config", str(ROOT / disagg), "--port", "0")
     serve, c_addr = start("serve", "--config", colocated, "--port", "0")
     seeds = list(range(repeats))
     try:
+        slots = load_config(str(ROOT / disagg)).decode.max_slots
+        probes = {"disaggregated": probe(d_addr, slots), "colocated": probe(c_addr, best[1])}
+        log(f"probes: {probes}")
         for seed in seeds:
             order = [("disaggregated", d_addr), ("colocated", c_addr)]
             for name, address in order if seed % 2 == 0 else order[::-1]:
@@ -256,15 +314,42 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     finally:
         stop(launch)
         stop(serve)
+    raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
+    raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
+                               "probes": probes, "repeats": repeats, "calibration": calib,
+                               "date": time.strftime("%Y-%m-%d %H:%M")}))
+    return analyse(model, kind)
+
+
+def recalibrate(model: str, kind: str) -> None:
+    """New calibration files for saved runs (the deployments as they were measured)."""
+    path = RESULTS / f"goodput_{model}_{kind}.runs.json"
+    raw = json.loads(path.read_text())
+    disagg = EXPERIMENTS[model]["config"]
+    raw["calibration"] = calibrate(model, kind, disagg, colocated_config(disagg, *raw["best"]))
+    path.write_text(json.dumps(raw))
+
+
+def analyse(model: str, kind: str) -> dict:
+    """Statistics, verdict and the simulator's prediction from the saved raw runs."""
+    exp = EXPERIMENTS[model]
+    spec, disagg = exp[kind], exp["config"]
+    raw = json.loads((RESULTS / f"goodput_{model}_{kind}.runs.json").read_text())
+    runs, tuning, best, probes = raw["runs"], raw["tuning"], raw["best"], raw["probes"]
+    repeats, calib = raw["repeats"], raw["calibration"]
+    seeds = list(range(repeats))
+    colocated = colocated_config(disagg, *best)
     stats = {name: bootstrap(r) for name, r in runs.items()}
-    predicted = simulated(model, spec, seeds, spec["rates"], calib, disagg, colocated)
+    predicted, overheads = simulated(model, spec, seeds, spec["rates"], calib, disagg,
+                                     colocated, probes)
     return {"model": model, "workload": kind, "spec": spec, "repeats": repeats,
             "colocated": {"chunk_size": best[0], "max_slots": best[1], "tuning": tuning},
             "disaggregated_config": disagg, "runs": runs, "goodput": stats,
             "verdict": verdict(stats["disaggregated"], stats["colocated"]),
             "simulated": predicted,
             "simulated_goodput": {n: bootstrap(r) for n, r in predicted.items()},
-            "calibration": calib, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "calibration": calib, "probes": probes, "overheads": overheads,
+            "date": raw["date"],
             "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.machine()}"}
 
 
@@ -286,19 +371,24 @@ def render(results: list[dict]) -> str:
     out = ["# Disaggregated against colocated: repeated goodput experiments on a 2-core CPU",
            "",
            "Generated by `python benchmarks/disagg_vs_colocated.py` (see its docstring for "
-           "the procedure); raw runs in `results/goodput_<model>_<workload>.json`.", ""]
+           "the procedure); raw runs in `results/goodput_<model>_<workload>.json`.", "",
+           "Goodput rate: where SLO attainment falls through 90%, read off the attainment "
+           "curve of all repeats' requests pooled; the interval is a two-level bootstrap "
+           "(repeats, then requests). The verdict names a winner only when the two "
+           "intervals do not overlap. The simulated column runs the same seeds through "
+           "`jaxdisagg simulate` on step costs measured beforehand (see each section).", ""]
     summary = ["| model | workload | SLO (TTFT, TPOT ms) | disaggregated goodput req/s "
                "[95% CI] | colocated goodput req/s [95% CI] | verdict | simulated "
-               "disagg / colocated (error) |", "|---" * 7 + "|"]
+               "disaggregated / colocated (error) |", "|---" * 7 + "|"]
     for res in results:
         g, s = res["goodput"], res["simulated_goodput"]
         d, c = g["disaggregated"], g["colocated"]
-        sd, sc = s["disaggregated"]["median"], s["colocated"]["median"]
+        sd, sc = s["disaggregated"]["pooled"], s["colocated"]["pooled"]
         summary.append(
             f"| {res['model']} | {res['workload']} | {res['spec']['slo'][0]}, "
-            f"{res['spec']['slo'][1]} | {d['median']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] | "
-            f"{c['median']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}] | {res['verdict']} | "
-            f"{sd:.2f} ({_err(sd, d['median'])}) / {sc:.2f} ({_err(sc, c['median'])}) |")
+            f"{res['spec']['slo'][1]} | {d['pooled']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}] | "
+            f"{c['pooled']:.2f} [{c['lo']:.2f}, {c['hi']:.2f}] | {res['verdict']} | "
+            f"{sd:.2f} ({_err(sd, d['pooled'])}) / {sc:.2f} ({_err(sc, c['pooled'])}) |")
     out += summary + [""]
     for res in results:
         spec = res["spec"]
@@ -322,10 +412,22 @@ def render(results: list[dict]) -> str:
                 f"{', '.join(f'{v:.2f}' for v in res['goodput']['disaggregated']['per_run'])}; "
                 f"colocated "
                 f"{', '.join(f'{v:.2f}' for v in res['goodput']['colocated']['per_run'])}.",
+                "- Simulator inputs, all measured before the repeats: each pool's step costs "
+                "(`jaxdisagg simulate --calibrate`, pinned as served), and two probes of the "
+                "running servers: "
+                + "; ".join(f"{n}: a lone {PROBE_PROMPT}-token prompt's TTFT "
+                            f"{res['probes'][n]['idle_ttft_s'] * 1e3:.1f} ms (calibrated steps "
+                            f"alone: {o['calibrated_idle_ttft_s'] * 1e3:.1f}), a full batch's "
+                            f"inter-token gap {res['probes'][n]['batch_itl_s'] * 1e3:.2f} ms "
+                            f"(steps alone: {o['calibrated_itl_s'] * 1e3:.2f}), so "
+                            f"{o['token_s'] * 1e3:.2f} ms of host time per token emitted"
+                            + (f" and {o['transfer_base_s'] * 1e3:.1f} ms per transfer"
+                               if n == "disaggregated" else "")
+                            for n, o in res["overheads"].items()) + ".",
                 "", "Measured (median over repeats) against simulated (same seeds), per rate:",
                 "", "| rate | deployment | TTFT p50 ms meas / sim | TTFT p99 | TPOT p50 | "
                 "TPOT p99 | attainment meas / sim |", "|---" * 7 + "|"]
-        for rate in (str(r) for r in spec["rates"]):
+        for rate in (str(float(r)) for r in spec["rates"]):
             for name in ("disaggregated", "colocated"):
                 meas, pred = res["runs"][name], res["simulated"][name]
                 cells = []
@@ -350,16 +452,23 @@ def main() -> int:
     p.add_argument("--no-tune", action="store_true",
                    help="skip the colocated tuning sweep (use the default candidate)")
     p.add_argument("--report", action="store_true", help="only rewrite the report")
+    p.add_argument("--analyse", action="store_true",
+                   help="redo the statistics and the simulation from the saved raw runs")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="with --analyse: measure the step costs again first")
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if not args.report:
         kinds = ("long", "short") if args.workload == "both" else (args.workload,)
         for kind in kinds:
-            res = experiment(args.model, kind, args.repeats, not args.no_tune)
+            if args.analyse and args.recalibrate:
+                recalibrate(args.model, kind)
+            res = (analyse(args.model, kind) if args.analyse else
+                   experiment(args.model, kind, args.repeats, not args.no_tune))
             path = RESULTS / f"goodput_{args.model}_{kind}.json"
             path.write_text(json.dumps(res, indent=1))
             log(f"wrote {path}: {res['verdict']}")
-    files = sorted(RESULTS.glob("goodput_*_*.json"))
+    files = sorted(f for f in RESULTS.glob("goodput_*_*.json") if ".runs." not in f.name)
     REPORT.write_text(render([json.loads(f.read_text()) for f in files]))
     print(f"wrote {REPORT}")
     return 0

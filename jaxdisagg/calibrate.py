@@ -43,17 +43,21 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
     decode = []
     if inst.name != "prefill":  # a prefill pool never decodes
         pages = inst.max_pages
-        tables = (np.arange(slots * pages, dtype=np.int32) % inst.pool.num_blocks
-                  ).reshape(slots, pages)
+        # As the decode worker lays them out: sequences that grew together hold
+        # interleaved pages, and an empty row's table is all zeros (it reads block 0).
+        full = (np.arange(slots * pages, dtype=np.int32) % inst.pool.num_blocks
+                ).reshape(pages, slots).T
         for active in sorted({1, max(1, slots // 2), slots}):
             params = [SamplingParams()] * active + [None] * (slots - active)
             rows = row_params(params, 1, inst.config.vocab_size)
+            tables = np.zeros_like(full)
+            tables[:active] = full[:active]
             for width in inst.table_widths:
                 lens = np.zeros(slots, np.int32)
                 lens[:active] = width * bs - 1
                 pos = np.maximum(lens - 1, 0)
 
-                def step(pos=pos, lens=lens, rows=rows):
+                def step(pos=pos, lens=lens, rows=rows, tables=tables):
                     new, logprobs = inst.decode(np.ones(slots, np.int32), pos, tables, lens,
                                                 rows)
                     np.asarray(new), np.asarray(logprobs)

@@ -478,16 +478,22 @@ def cmd_simulate(args) -> int:
     cfg = load_config(args.config)
     if args.calibrate:
         if args.cores:
-            os.sched_setaffinity(0, _int_list(args.cores, "--cores"))
+            try:
+                cores = {int(c) for c in args.cores.split(",")}
+            except ValueError:
+                raise ValueError(f"--cores: comma-separated core numbers, got "
+                                 f"{args.cores!r}") from None
+            os.sched_setaffinity(0, cores)  # before JAX starts its threads
         from jaxdisagg.calibrate import calibrate
 
         pools = args.pools.split(",") if args.pools else None
         measured = calibrate(cfg, pools)
-        for name, (costs, _) in measured.items():
+        for name, (costs, points) in measured.items():
             print(f"{name}: prefill s = {costs.prefill[0]:.3g} + {costs.prefill[1]:.3g} "
-                  f"* tokens + {costs.prefill[2]:.3g} * pairs; decode s = "
-                  f"{costs.decode[0]:.3g} + {costs.decode[1]:.3g} * rows + "
-                  f"{costs.decode[2]:.3g} * width")
+                  f"* tokens + {costs.prefill[2]:.3g} * pairs" + (
+                      f"; decode s = {costs.decode[0]:.3g} + {costs.decode[1]:.3g} * rows "
+                      f"+ {costs.decode[2]:.3g} * width + {costs.decode[3]:.3g} * rows * "
+                      "width" if points["decode"] else ""))
         sim.save_calibration(args.calibrate, measured, {"config": args.config,
                                                          "cores": args.cores})
         print(f"wrote {args.calibrate}")
@@ -517,7 +523,8 @@ def cmd_simulate(args) -> int:
         transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS[args.fabric],
                                 args.transfer_base_ms / 1e3,
                                 blocking=cfg.transfer.kind == "cross_process")
-    system = sim.system_from_config(cfg, costs, transfer, args.iteration_ms / 1e3)
+    system = sim.system_from_config(cfg, costs, transfer, args.iteration_ms / 1e3,
+                                    args.token_ms / 1e3)
     results = {}
     for rate in rates:
         results[rate] = sim.run(system, dataclasses.replace(workload, rate=rate), slo)
@@ -833,6 +840,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="roofline costs: fixed time per program call")
     m.add_argument("--iteration-ms", type=float, default=0.0,
                    help="host time per decode-worker iteration")
+    m.add_argument("--token-ms", type=float, default=0.0,
+                   help="host time per token a decode instance emits (on its cores)")
     m.add_argument("--plan", action="store_true",
                    help="search P:D ratios, tp and chunk sizes for --model on --gpus")
     m.add_argument("--model", help="with --plan: preset or HF config.json (default llama3-8b)")

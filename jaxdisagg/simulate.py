@@ -22,6 +22,10 @@ or `FittedCosts` fitted to step times measured here (`simulate.calibrate`). The
 output is `bench.Record`s, so a simulated run is summarized, swept and plotted
 exactly like a measured one.
 
+Host work is two constants of a `System`: time per decode-worker iteration and time
+per token emitted (detokenizing and streaming run on other threads but share the
+instance's cores, so they lengthen its steps).
+
 Not modelled: preemption (pools are assumed to have the blocks), the prefix cache,
 stop tokens (every request generates its drawn length), network jitter.
 """
@@ -112,14 +116,15 @@ class FittedCosts:
     """Step times fitted to measurements of this project's own programs:
 
         prefill = p0 + p1 * executed tokens + p2 * attention pairs
-        decode  = d0 + d1 * active rows + d2 * block-table width (tokens)
+        decode  = d0 + d1 * active rows + d2 * width + d3 * active rows * width
 
     The decode program always runs its `max_slots` rows over the narrowest compiled
-    table width that holds the longest row (`table_widths`), so width, not the sum of
-    the rows' contexts, is what its attention costs."""
+    table width (in tokens) that holds the longest row (`table_widths`): every active
+    row reads that many tokens of KV, and an empty row re-reads block 0 (cheap, but
+    not free), so width, not the rows' own contexts, is what attention costs."""
 
     prefill: tuple[float, float, float]
-    decode: tuple[float, float, float]
+    decode: tuple[float, float, float, float]
     widths: tuple[int, ...]  # compiled table widths, in tokens
     label: str = "fitted"
 
@@ -128,8 +133,9 @@ class FittedCosts:
         return p0 + p1 * tokens + p2 * tokens * (prefix + (tokens + 1) / 2)
 
     def decode_s(self, active: int, kv_tokens: int, longest: int) -> float:
-        d0, d1, d2 = self.decode
-        return d0 + d1 * active + d2 * fit(longest, self.widths)
+        d0, d1, d2, d3 = self.decode
+        width = fit(longest, self.widths)
+        return d0 + d1 * active + d2 * width + d3 * active * width
 
 
 def fit_costs(prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
@@ -146,7 +152,7 @@ def fit_costs(prefill: list[tuple[int, int, float]], decode: list[tuple[int, int
         return tuple(float(c) for c in coef)
 
     p = solve([(1, t, t * (s + (t + 1) / 2)) for t, s, _ in prefill], [x[2] for x in prefill])
-    d = solve([(1, b, w) for b, w, _ in decode], [x[2] for x in decode])
+    d = solve([(1, b, w, b * w) for b, w, _ in decode], [x[2] for x in decode])
     return FittedCosts(p, d, tuple(sorted(widths)), label)
 
 
@@ -191,7 +197,10 @@ class System:
     transfer: Transfer | None = None
     handoff_queue: int = 4
     local_prefill_threshold: int = 0
-    iteration_s: float = 0.0  # host time per decode-worker iteration (scheduling, output)
+    iteration_s: float = 0.0  # host time per decode-worker iteration (scheduling)
+    # Host time per token a decode instance emits (detokenizing, streaming it out): it
+    # runs on other threads but takes the instance's cores, so each step carries it.
+    token_s: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -407,7 +416,8 @@ class _DecodeInst(_Inst):
             while self.lengths[0][2].done:
                 heapq.heappop(self.lengths)
             longest = -self.lengths[0][0] + len(self.steps) + 1
-            t += self.pool.costs.decode_s(self.active, self.kv, longest)
+            t += (self.pool.costs.decode_s(self.active, self.kv, longest)
+                  + self.sim.s.token_s * self.active)
             self.steps.append(t)
             self.kv += self.active
             k = len(self.steps) - 1
@@ -513,7 +523,7 @@ def capacity(system: System, prompt: float, output: float) -> float:
 
 
 def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None = None,
-                       iteration_s: float = 0.0) -> System:
+                       iteration_s: float = 0.0, token_s: float = 0.0) -> System:
     """The System a DeploymentConfig serves: its pools' instances, chunk sizes, slots
     and tp, its router's handoff queue and local-prefill threshold. `costs` per pool
     name; `transfer` defaults to the fabric table (loopback for cross_process, nvlink
@@ -527,11 +537,12 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
 
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,
-                      handoff_queue=cfg.router.handoff_queue)
+                      handoff_queue=cfg.router.handoff_queue, token_s=token_s)
     if transfer is None:
         raise ValueError("a disaggregated system needs its KV transfer's cost")
     return System("disaggregated", spec("decode"), spec("prefill"), transfer,
-                  cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s)
+                  cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s,
+                  token_s)
 
 
 # ---------------------------------------------------------------------- calibration files

@@ -2,6 +2,7 @@
 against an exhaustive search."""
 
 import dataclasses
+import json
 import statistics
 
 import numpy as np
@@ -13,7 +14,7 @@ from jaxdisagg import simulate as sim
 from jaxdisagg.model.config import get_preset
 
 
-def costs(prefill=(0.0, 0.0, 0.0), decode=(0.0, 0.0, 0.0)) -> sim.FittedCosts:
+def costs(prefill=(0.0, 0.0, 0.0), decode=(0.0, 0.0, 0.0, 0.0)) -> sim.FittedCosts:
     return sim.FittedCosts(prefill, decode, (1 << 20,))
 
 
@@ -36,7 +37,7 @@ def test_one_request_timeline_is_the_sum_of_its_steps():
     O-1 decode steps."""
     a, b, d = 0.010, 0.001, 0.004
     tr = sim.Transfer(bytes_per_token=1000, bandwidth=1e6, base_s=0.002)  # 0.102 s
-    system = disagg(costs((a, b, 0.0)), costs(decode=(d, 0.0, 0.0)), transfer=tr)
+    system = disagg(costs((a, b, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)), transfer=tr)
     (rec,) = sim.simulate(system, [(1.0, 100, 5)])
     prefill = (a + 64 * b) + (a + 48 * b)
     assert rec.ttft == pytest.approx(prefill + 0.102)
@@ -51,7 +52,7 @@ def test_a_blocking_pull_stalls_the_decode_batch():
     meanwhile sees one gap of a step plus the pull."""
     d, pull = 0.004, 0.050
     tr = sim.Transfer(1, 1e9, base_s=pull, blocking=True)
-    system = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0)), transfer=tr)
+    system = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)), transfer=tr)
     first, second = sim.simulate(system, [(0.0, 16, 40), (0.030, 16, 2)])
     assert first.ttft == pytest.approx(0.001 + pull)
     assert max(first.itl) == pytest.approx(pull + d, rel=1e-6)
@@ -65,7 +66,7 @@ def test_saturated_decode_throughput_is_batch_over_step_time():
     counted once the ramp-up, as handoffs trickle in, is over), and the whole run
     takes about n / slots * (out - 1) steps."""
     d, slots, out, n = 0.010, 8, 33, 64
-    system = disagg(None, costs(decode=(d, 0.0, 0.0)), slots=slots, queue=1 << 20)
+    system = disagg(None, costs(decode=(d, 0.0, 0.0, 0.0)), slots=slots, queue=1 << 20)
     recs = sim.simulate(system, [(0.0, 16, out)] * n)
     times = np.concatenate([r.arrival + r.ttft + np.cumsum(r.itl) for r in recs])  # no 1st
     lo, hi = 0.5, 2.0
@@ -91,7 +92,7 @@ def test_colocated_steps_carry_one_chunk_each():
     while a 128-token prompt arrives sees two gaps of chunk + step."""
     chunk_s, d = 0.030, 0.005
     system = sim.System("colocated", sim.PoolSpec(1, costs((chunk_s, 0.0, 0.0),
-                                                           (d, 0.0, 0.0)), 64, 4))
+                                                           (d, 0.0, 0.0, 0.0)), 64, 4))
     first, _ = sim.simulate(system, [(0.0, 16, 30), (0.050, 128, 2)])
     gaps = sorted(first.itl)
     assert gaps[-2:] == pytest.approx([chunk_s + d] * 2)
@@ -100,10 +101,11 @@ def test_colocated_steps_carry_one_chunk_each():
 
 def test_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
-    p, d = (0.002, 1e-5, 3e-9), (0.004, 2e-4, 1e-6)
+    p, d = (0.002, 1e-5, 3e-9), (0.004, 2e-4, 1e-6, 5e-7)
     pre = [(t, s, p[0] + p[1] * t + p[2] * t * (s + (t + 1) / 2))
            for t in (16, 64, 256) for s in (0, 512, 1024)]
-    dec = [(b, w, d[0] + d[1] * b + d[2] * w) for b in (1, 4, 8) for w in (128, 512)]
+    dec = [(b, w, d[0] + d[1] * b + d[2] * w + d[3] * b * w) for b in (1, 4, 8)
+           for w in (128, 512, 1024)]
     fitted = sim.fit_costs(pre, dec, [128, 512])
     assert fitted.prefill == pytest.approx(p, rel=1e-6)
     assert fitted.decode == pytest.approx(d, rel=1e-6)
@@ -113,7 +115,7 @@ def test_fit_recovers_known_coefficients():
 
 
 def test_calibration_file_round_trips(tmp_path):
-    c = sim.FittedCosts((1.0, 2.0, 3.0), (4.0, 5.0, 6.0), (16, 32), "decode")
+    c = sim.FittedCosts((1.0, 2.0, 3.0), (4.0, 5.0, 6.0, 7.0), (16, 32), "decode")
     sim.save_calibration(tmp_path / "c.json", {"decode": (c, {"prefill": [], "decode": []})},
                          {"config": "x"})
     loaded, extra = sim.load_calibration(tmp_path / "c.json")
@@ -172,3 +174,23 @@ def test_planner_gain_grows_as_tpot_tightens(small_search):
     cfg, hw, wl, _, s = small_search
     gains = [planner.plan(cfg, hw, 8, wl, bench.SLO(1000, tpot), s).gain for tpot in (25, 200)]
     assert gains[0] > gains[1]
+
+
+def test_cli_simulates_a_config_on_the_roofline_and_plans(tmp_path, capsys):
+    from jaxdisagg.cli import main
+
+    out = tmp_path / "sim.json"
+    assert main(["simulate", "--config", "configs/gpu-8-4p4d.yaml", "--hardware", "h200",
+                 "--requests", "60", "--prompt-len", "uniform:256:1024", "--output-len",
+                 "fixed:32", "--sweep", "5,50", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "goodput rate" in printed and "ttft_p99_ms" in printed
+    runs = json.loads(out.read_text())
+    assert runs["5.0"]["slo_attainment"] >= runs["50.0"]["slo_attainment"]
+    assert main(["simulate", "--plan", "--model", "llama2-7b", "--hardware", "h100-sxm",
+                 "--gpus", "2", "--prompt-len", "uniform:512:1024", "--output-len",
+                 "fixed:64", "--slo", "ttft_ms=1000,tpot_ms=50"]) == 0
+    assert "disaggregated / colocated goodput per GPU" in capsys.readouterr().out
+    # bad input names the flag
+    assert main(["simulate", "--hardware", "h900"]) == 2
+    assert "--hardware" in capsys.readouterr().err
