@@ -68,8 +68,8 @@ EXPERIMENTS = {
     "smollm2": {
         "config": "configs/cpu-smollm2-2proc.yaml", "candidates": [(128, 8), (64, 8)],
         "long": {"prompt": ("uniform", 300, 600), "output": 24, "requests": 12,
-                 "slo": (4000, 150), "coarse": (0.3, 0.6, 1.2),
-                 "rates": (0.2, 0.35, 0.5, 0.7, 1.0)},
+                 "slo": (6000, 250), "coarse": (0.1, 0.2, 0.4),
+                 "rates": (0.1, 0.15, 0.2, 0.3, 0.4)},
         "short": {"prompt": ("uniform", 16, 64), "output": 24, "requests": 12,
                   "window_s": 12, "slo": (4000, 400), "coarse": (0.5, 1.0, 2.0),
                   "rates": (0.5, 1, 1.5, 2, 3)},
@@ -156,13 +156,19 @@ def per_request(records: list[bench.Record], slo: bench.SLO) -> list[dict]:
              "status": r.status} for r in records]
 
 
+def rate_seed(seed: int, k: int) -> int:
+    """Each rate of a sweep draws its own prompts: with one seed for every rate, the
+    prefix cache would serve the later rates' prompts from the earlier ones'."""
+    return seed * 1000 + k
+
+
 def sweep(address: str, spec: dict, seed: int, rates) -> dict:
     target = bench.ServerTarget(address)
     slo = bench.SLO(*spec["slo"])
     out = {}
     try:
-        for rate in rates:
-            records = bench.run(target, workload(spec, seed, rate))
+        for k, rate in enumerate(rates):
+            records = bench.run(target, workload(spec, rate_seed(seed, k), rate))
             out[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                      "requests": per_request(records, slo)}
     finally:
@@ -178,8 +184,9 @@ def probe(address: str, slots: int) -> dict:
     experiment (its only input to the simulator besides the step calibration): a
     lone request's TTFT (prompt PROBE_PROMPT) and the inter-token gap of a full batch
     of short requests. `simulated` charges the differences from the calibrated step
-    times to the KV transfer's fixed cost and to a host time per token emitted
-    (detokenizing and streaming, which share the decode instance's cores)."""
+    times to the KV transfer's latency (messages between processes, which stall
+    nobody) and to a host time per token emitted (detokenizing and streaming, which
+    share the decode instance's cores)."""
     target = bench.ServerTarget(address)
     try:
         idle = []
@@ -251,9 +258,9 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
     for name, cfg in configs.items():
-        def system(token=0.0, base=0.0, cfg=cfg):
-            transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"], base,
-                                    blocking=True)
+        def system(token=0.0, latency=0.0, cfg=cfg):
+            transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"],
+                                    blocking=True, latency_s=latency)
             return sim.system_from_config(cfg, costs, transfer, token_s=token)
 
         pr = probes[name]
@@ -261,15 +268,15 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         itl = statistics.median(g for r in sim.simulate(system(), batch) for g in r.itl[8:56])
         token = max(0.0, pr["batch_itl_s"] - itl) / pr["slots"]
         lone = sim.simulate(system(token), [(0.0, PROBE_PROMPT, 2)])[0].ttft
-        base = max(0.0, pr["idle_ttft_s"] - lone) if name == "disaggregated" else 0.0
-        overheads[name] = {"token_s": token, "transfer_base_s": base,
+        latency = max(0.0, pr["idle_ttft_s"] - lone) if name == "disaggregated" else 0.0
+        overheads[name] = {"token_s": token, "transfer_latency_s": latency,
                            "calibrated_itl_s": itl, "calibrated_idle_ttft_s": lone}
         runs = []
         for seed in seeds:
             run = {}
-            for rate in rates:
-                wl = workload(spec, seed, rate)
-                records = sim.simulate(system(token, base), sim.plan_of(wl))
+            for k, rate in enumerate(rates):
+                wl = workload(spec, rate_seed(seed, k), rate)
+                records = sim.simulate(system(token, latency), sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
             runs.append(run)
@@ -421,7 +428,8 @@ def render(results: list[dict]) -> str:
                             f"inter-token gap {res['probes'][n]['batch_itl_s'] * 1e3:.2f} ms "
                             f"(steps alone: {o['calibrated_itl_s'] * 1e3:.2f}), so "
                             f"{o['token_s'] * 1e3:.2f} ms of host time per token emitted"
-                            + (f" and {o['transfer_base_s'] * 1e3:.1f} ms per transfer"
+                            + (f" and {o['transfer_latency_s'] * 1e3:.1f} ms of latency per "
+                               "transfer"
                                if n == "disaggregated" else "")
                             for n, o in res["overheads"].items()) + ".",
                 "", "Measured (median over repeats) against simulated (same seeds), per rate:",

@@ -178,12 +178,15 @@ class PoolSpec:
 class Transfer:
     """KV handoff time: base + prompt tokens * bytes per token / bandwidth. `blocking`:
     the decode thread itself pulls it at admission (cross-process), rather than
-    waiting only for what is still in flight."""
+    waiting only for what is still in flight. `latency_s` comes first and occupies
+    nobody (messages between processes): the request cannot be admitted before it,
+    and the decode instance goes on stepping meanwhile."""
 
     bytes_per_token: int
     bandwidth: float
     base_s: float = 0.0
     blocking: bool = False
+    latency_s: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         return self.base_s + tokens * self.bytes_per_token / self.bandwidth
@@ -326,8 +329,9 @@ class _PrefillInst(_Inst):
             self.queue.popleft()
             r.marks["prefill_end"] = end
             r.transferred = True
-            r.transfer_ready = end + (0.0 if self.sim.s.transfer.blocking
-                                      else self.sim.s.transfer.seconds(r.prompt))
+            tr = self.sim.s.transfer
+            r.transfer_ready = end + tr.latency_s + (0.0 if tr.blocking
+                                                     else tr.seconds(r.prompt))
             dec.in_flight += 1
             self.sim.at(end, lambda: dec.receive(r))
         return end
@@ -365,9 +369,15 @@ class _DecodeInst(_Inst):
     def _admit(self, t: float) -> float:
         tr = self.sim.s.transfer
         while self.ready and self.active < self.pool.max_slots:
-            r = self.ready.popleft()
-            if r.transferred:
-                t = (t + tr.seconds(r.prompt)) if tr.blocking else max(t, r.transfer_ready)
+            r = self.ready[0]
+            if r.transferred and tr.blocking:
+                if r.transfer_ready > t:  # still in its latency: step on, come back
+                    self.sim.at(r.transfer_ready, self.wake)
+                    break
+                t += tr.seconds(r.prompt)
+            elif r.transferred:
+                t = max(t, r.transfer_ready)
+            self.ready.popleft()
             r.marks["decode_insert"] = t
             r.first = t  # the first token surfaces on admission
             r.joined = len(self.steps)
@@ -396,8 +406,9 @@ class _DecodeInst(_Inst):
             for p in list(self.blocked):
                 self.blocked.discard(p)
                 p.wake()
-        did = bool(self.ready)
+        waiting = len(self.ready)
         t = self._admit(t)
+        did = len(self.ready) < waiting
         if self.local and (self.local[0].pos > 0 or
                            self.pool.max_slots - self.active > len(self.ready)):
             r = self.local[0]

@@ -60,6 +60,15 @@ def test_a_blocking_pull_stalls_the_decode_batch():
     assert second.ttft >= pull
 
 
+def test_transfer_latency_delays_admission_but_stalls_nobody():
+    d, latency = 0.004, 0.050
+    tr = sim.Transfer(1, 1e12, blocking=True, latency_s=latency)
+    system = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)), transfer=tr)
+    first, second = sim.simulate(system, [(0.0, 16, 40), (0.060, 16, 2)])
+    assert max(first.itl) == pytest.approx(d, rel=1e-3)  # no gap for the batch
+    assert second.ttft == pytest.approx(0.001 + latency, abs=d)  # admitted at a step's end
+
+
 def test_saturated_decode_throughput_is_batch_over_step_time():
     """With more requests waiting than slots, a decode instance emits slots / step
     decode tokens per second (first tokens surface at admission and are left out;
