@@ -169,10 +169,6 @@ class PoolSpec:
     max_slots: int = 0  # decode slots (0 for a prefill pool)
     tp: int = 1  # devices per instance, for per-device figures
 
-    @property
-    def devices(self) -> int:
-        return self.instances * self.tp
-
 
 @dataclass(frozen=True)
 class Transfer:
@@ -204,10 +200,6 @@ class System:
     # Host time per token a decode instance emits (detokenizing, streaming it out): it
     # runs on other threads but takes the instance's cores, so each step carries it.
     token_s: float = 0.0
-
-    @property
-    def devices(self) -> int:
-        return self.decode.devices + (self.prefill.devices if self.prefill else 0)
 
 
 @dataclass(eq=False)
@@ -471,12 +463,6 @@ def plan_of(workload: bench.Workload) -> list[tuple[float, int, int]]:
 def run(system: System, workload: bench.Workload, slo: bench.SLO) -> dict:
     """`bench.summarize` of the simulated run."""
     return bench.summarize(simulate(system, plan_of(workload)), slo)
-
-
-def sweep(system: System, workload: bench.Workload, slo: bench.SLO, rates) -> dict[float, dict]:
-    from dataclasses import replace
-
-    return {r: run(system, replace(workload, rate=r), slo) for r in rates}
 
 
 def max_rate(system: System, workload: bench.Workload, slo: bench.SLO, target: float = 0.9,
