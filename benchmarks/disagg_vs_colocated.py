@@ -116,7 +116,7 @@ def start(*args) -> tuple[subprocess.Popen, str]:
     if not line.startswith("READY"):
         proc.kill()
         raise RuntimeError(f"{args[0]} did not start: {line!r}")
-    return proc, line.split()[1]
+    return proc, (line.split() + [""])[1]
 
 
 def stop(proc) -> None:
@@ -127,24 +127,42 @@ def stop(proc) -> None:
         proc.kill()
 
 
+def _calibrate_one(path: Path, config: str, pool: str, cores: str | None) -> None:
+    args = ["simulate", "--calibrate", str(path), "--config", config, "--pools", pool]
+    if cores is not None:
+        args += ["--cores", cores]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    done = subprocess.run([sys.executable, "-m", "jaxdisagg.cli", *args], env=env,
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"calibrating {path.name} failed: {done.stderr[-2000:]}")
+
+
 def calibrate(model: str, kind: str, disagg: str, colocated: str) -> dict[str, str]:
     """Calibration files per deployment: the pinned pools one per core, the colocated
-    pool unpinned."""
+    pool unpinned. Each disaggregated pool is measured twice: alone, and while the
+    other pool runs its heaviest program on the other core (`simulate --busy`), for
+    the slowdown that sharing the memory bus and cache costs (`PoolSpec.contended`)."""
     out = {}
-    jobs = [("prefill", disagg, "prefill", "0"), ("decode", disagg, "decode", "1"),
-            ("colocated", colocated, "colocated", None)]
-    for name, config, pool, cores in jobs:
+    jobs = [("prefill", disagg, "prefill", "0", "decode"),
+            ("decode", disagg, "decode", "1", "prefill"),
+            ("colocated", colocated, "colocated", None, None)]
+    for name, config, pool, cores, neighbour in jobs:
         path = RESULTS / f"calibration_{model}_{kind}_{name}.json"
-        args = ["simulate", "--calibrate", str(path), "--config", config, "--pools", pool]
-        if cores is not None:
-            args += ["--cores", cores]
         log(f"calibrating {name}")
-        env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-        done = subprocess.run([sys.executable, "-m", "jaxdisagg.cli", *args], env=env,
-                              capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"calibrating {name} failed: {done.stderr[-2000:]}")
+        _calibrate_one(path, config, pool, cores)
         out[name] = str(path)
+        if neighbour is None:
+            continue
+        loaded = RESULTS / f"calibration_{model}_{kind}_{name}_loaded.json"
+        log(f"calibrating {name} while {neighbour} runs on the other core")
+        load, _ = start("simulate", "--config", config, "--busy", neighbour, "--cores",
+                        "1" if cores == "0" else "0")
+        try:
+            _calibrate_one(loaded, config, pool, cores)
+        finally:
+            stop(load)
+        out[f"{name}_loaded"] = str(loaded)
     return out
 
 
@@ -177,32 +195,61 @@ def sweep(address: str, spec: dict, seed: int, rates) -> dict:
 
 
 PROBE_PROMPT = 512
+PROBE_SHORT = 16
 
 
 def probe(address: str, slots: int) -> dict:
-    """The served system's overheads at two load points, measured before the
-    experiment (its only input to the simulator besides the step calibration): a
-    lone request's TTFT (prompt PROBE_PROMPT) and the inter-token gap of a full batch
-    of short requests. `simulated` charges the differences from the calibrated step
-    times to the KV transfer's latency (messages between processes, which stall
-    nobody) and to a host time per token emitted (detokenizing and streaming, which
-    share the decode instance's cores)."""
+    """The served system's overheads, measured before the experiment (its only input
+    to the simulator besides the step calibration): a lone request's TTFT at a short
+    and a long prompt (PROBE_SHORT, PROBE_PROMPT tokens), and the inter-token gap of
+    a lone request and of a full batch of short requests. `simulated` charges the
+    gaps' excess over the calibrated steps to host time per decode iteration and per
+    token emitted (detokenizing, streaming: other threads on the instance's cores),
+    the short prompt's TTFT excess to the front end, and the long prompt's further
+    excess to the KV transfer's latency (messages between processes, which stall
+    nobody)."""
     target = bench.ServerTarget(address)
-    try:
-        idle = []
+
+    def ttft(length):
+        out = []
         for seed in range(3):
-            rec = bench.Record(PROBE_PROMPT, 0.0)
-            prompt = np.random.default_rng(seed).integers(3, 250, PROBE_PROMPT).tolist()
+            rec = bench.Record(length, 0.0)
+            prompt = np.random.default_rng(seed).integers(3, 250, length).tolist()
             target.run_one(prompt, 2, rec)
-            idle.append(rec.ttft)
-        wl = bench.Workload(requests=slots, prompt=bench.Lengths("fixed", 16),
+            out.append(rec.ttft)
+        return statistics.median(out)
+
+    def itl(n):
+        wl = bench.Workload(requests=n, prompt=bench.Lengths("fixed", 16),
                             output=bench.Lengths("fixed", 64), seed=7, warmup=0)
-        records = bench.run(target, wl)
-        gaps = [g for r in records for g in r.itl[8:56]]
+        return statistics.median(g for r in bench.run(target, wl) for g in r.itl[8:56])
+
+    try:
+        return {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT),
+                "lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots}
     finally:
         target.client.close()
-    return {"idle_ttft_s": statistics.median(idle), "batch_itl_s": statistics.median(gaps),
-            "slots": slots}
+
+
+def reprobe(model: str, kind: str) -> None:
+    """New probes for saved runs: both deployments started as they were measured."""
+    path = RESULTS / f"goodput_{model}_{kind}.runs.json"
+    raw = json.loads(path.read_text())
+    disagg = EXPERIMENTS[model]["config"]
+    colocated = colocated_config(disagg, *raw["best"])
+    probes = {}
+    for name, args, slots in (
+            ("disaggregated", ("launch", "--config", str(ROOT / disagg)),
+             load_config(str(ROOT / disagg)).decode.max_slots),
+            ("colocated", ("serve", "--config", colocated), raw["best"][1])):
+        proc, address = start(*args, "--port", "0")
+        try:
+            probes[name] = probe(address, slots)
+        finally:
+            stop(proc)
+    log(f"probes: {probes}")
+    raw["probes"] = probes
+    path.write_text(json.dumps(raw))
 
 
 def goodput_of(run: dict) -> float | None:
@@ -244,39 +291,79 @@ def verdict(a: dict, b: dict, names=("disaggregated", "colocated")) -> str:
     return "no difference stands out of the noise: the 95% intervals overlap"
 
 
+def _contention(calib: dict[str, str]) -> dict[str, float]:
+    """Each pinned pool's step-time multiplier under its neighbour's load: the
+    median ratio of its loaded calibration's points to its own."""
+    from jaxdisagg.calibrate import contention
+
+    out = {}
+    for pool in ("prefill", "decode"):
+        if f"{pool}_loaded" not in calib:
+            continue
+        phase = "prefill" if pool == "prefill" else "decode"
+        alone, loaded = (json.loads(Path(calib[k]).read_text())["pools"][pool]["points"][phase]
+                         for k in (pool, f"{pool}_loaded"))
+        out[pool] = contention(alone, loaded)
+    return out
+
+
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
               disagg_path: str, colocated_path: str, probes: dict) -> tuple[dict, dict]:
-    """The same seeds and rates through the simulator: step costs from the calibration
-    files, the transfer's bytes from the fabric table's loopback row, and the two
-    overheads the probes measured (see `probe`)."""
+    """The same seeds and rates through the simulator: step costs (and the pinned
+    pools' contention) from the calibration files, the transfer's bytes from the
+    fabric table's loopback row, and the overheads the probes measured (see `probe`):
+    each fitted so that the simulated probe equals the measured one."""
     slo = bench.SLO(*spec["slo"])
     m = rl.Model.from_config(get_preset("smollm2-135m" if model == "smollm2" else model), 4)
     costs = {}
-    for path in calib.values():
-        costs.update(sim.load_calibration(path)[0])
+    for key, path in calib.items():
+        if not key.endswith("_loaded"):
+            costs.update(sim.load_calibration(path)[0])
+    contended = _contention(calib)
     configs = {"disaggregated": load_config(str(ROOT / disagg_path)),
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
     for name, cfg in configs.items():
-        def system(token=0.0, latency=0.0, cfg=cfg):
+        def system(it=0.0, token=0.0, admit=0.0, latency=0.0, cfg=cfg):
             transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"],
                                     blocking=True, latency_s=latency)
-            return sim.system_from_config(cfg, costs, transfer, token_s=token)
+            return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended)
+
+        def gap(n, **kw):
+            batch = [(0.0, 16, 64)] * n
+            return statistics.median(g for r in sim.simulate(system(**kw), batch)
+                                     for g in r.itl[8:56])
+
+        def lone_ttft(length, **kw):
+            return sim.simulate(system(**kw), [(0.0, length, 2)])[0].ttft
 
         pr = probes[name]
-        batch = [(0.0, 16, 64)] * pr["slots"]
-        itl = statistics.median(g for r in sim.simulate(system(), batch) for g in r.itl[8:56])
-        token = max(0.0, pr["batch_itl_s"] - itl) / pr["slots"]
-        lone = sim.simulate(system(token), [(0.0, PROBE_PROMPT, 2)])[0].ttft
-        latency = max(0.0, pr["idle_ttft_s"] - lone) if name == "disaggregated" else 0.0
-        overheads[name] = {"token_s": token, "transfer_latency_s": latency,
-                           "calibrated_itl_s": itl, "calibrated_idle_ttft_s": lone}
+        slots = pr["slots"]
+        itl_batch, itl_lone = gap(slots), gap(1)
+        excess_batch = pr["batch_itl_s"] - itl_batch
+        if "lone_itl_s" in pr:  # gap(n) - simulated = iteration + n * token
+            excess_lone = pr["lone_itl_s"] - itl_lone
+            token = max(0.0, (excess_batch - excess_lone) / (slots - 1))
+            it = max(0.0, excess_lone - token)
+        else:  # an older probe: all of it per token
+            token, it = max(0.0, excess_batch) / slots, 0.0
+        long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token)
+        admit = 0.0
+        if "short_ttft_s" in pr:
+            admit = max(0.0, pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token))
+        latency = (max(0.0, pr["idle_ttft_s"] - admit - long_ttft)
+                   if name == "disaggregated" else 0.0)
+        overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
+                           "transfer_latency_s": latency, "calibrated_itl_s": itl_batch,
+                           "calibrated_lone_itl_s": itl_lone,
+                           "calibrated_idle_ttft_s": long_ttft,
+                           "contended": contended if name == "disaggregated" else {}}
         runs = []
         for seed in seeds:
             run = {}
             for k, rate in enumerate(rates):
                 wl = workload(spec, rate_seed(seed, k), rate)
-                records = sim.simulate(system(token, latency), sim.plan_of(wl))
+                records = sim.simulate(system(it, token, admit, latency), sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
             runs.append(run)
@@ -374,6 +461,31 @@ def _err(pred, meas) -> str:
     return f"{(pred - meas) / meas:+.0%}"
 
 
+def _paired(goodput: dict) -> str:
+    pairs = zip(goodput["disaggregated"]["per_run"], goodput["colocated"]["per_run"],
+                strict=True)
+    ratios = [f"{d / c:.2f}x" if c else "-" for d, c in pairs]
+    return ", ".join(ratios)
+
+
+def _overheads(name: str, pr: dict, o: dict) -> str:
+    ms = 1e3
+    parts = [f"{name}: a lone {PROBE_PROMPT}-token prompt's TTFT {pr['idle_ttft_s'] * ms:.1f} "
+             f"ms (calibrated steps alone {o['calibrated_idle_ttft_s'] * ms:.1f})"]
+    if "short_ttft_s" in pr:
+        parts.append(f"a {PROBE_SHORT}-token one's {pr['short_ttft_s'] * ms:.1f} ms")
+    if "lone_itl_s" in pr:
+        parts.append(f"a lone request's inter-token gap {pr['lone_itl_s'] * ms:.2f} ms "
+                     f"(steps alone {o['calibrated_lone_itl_s'] * ms:.2f})")
+    parts.append(f"a full batch's {pr['batch_itl_s'] * ms:.2f} ms (steps alone "
+                 f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
+                 f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
+                 f"emitted, {o.get('admit_s', 0) * ms:.1f} ms in the front end"
+                 + (f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"
+                    if name == "disaggregated" else ""))
+    return ", ".join(parts)
+
+
 def render(results: list[dict]) -> str:
     out = ["# Disaggregated against colocated: repeated goodput experiments on a 2-core CPU",
            "",
@@ -418,19 +530,18 @@ def render(results: list[dict]) -> str:
                 f"- Per-run goodput rates: disaggregated "
                 f"{', '.join(f'{v:.2f}' for v in res['goodput']['disaggregated']['per_run'])}; "
                 f"colocated "
-                f"{', '.join(f'{v:.2f}' for v in res['goodput']['colocated']['per_run'])}.",
-                "- Simulator inputs, all measured before the repeats: each pool's step costs "
-                "(`jaxdisagg simulate --calibrate`, pinned as served), and two probes of the "
-                "running servers: "
-                + "; ".join(f"{n}: a lone {PROBE_PROMPT}-token prompt's TTFT "
-                            f"{res['probes'][n]['idle_ttft_s'] * 1e3:.1f} ms (calibrated steps "
-                            f"alone: {o['calibrated_idle_ttft_s'] * 1e3:.1f}), a full batch's "
-                            f"inter-token gap {res['probes'][n]['batch_itl_s'] * 1e3:.2f} ms "
-                            f"(steps alone: {o['calibrated_itl_s'] * 1e3:.2f}), so "
-                            f"{o['token_s'] * 1e3:.2f} ms of host time per token emitted"
-                            + (f" and {o['transfer_latency_s'] * 1e3:.1f} ms of latency per "
-                               "transfer"
-                               if n == "disaggregated" else "")
+                f"{', '.join(f'{v:.2f}' for v in res['goodput']['colocated']['per_run'])}; "
+                f"paired by seed (same arrivals and prompts), disaggregated / colocated "
+                f"{_paired(res['goodput'])}.",
+                "- Simulator inputs: each pool's step costs (`jaxdisagg simulate "
+                "--calibrate`, pinned as served"
+                + (", and again under the other pool's load: contention "
+                   + ", ".join(f"{k} x{v:.2f}" for k, v in
+                               res["overheads"]["disaggregated"].get("contended", {}).items())
+                   if res["overheads"]["disaggregated"].get("contended") else "")
+                + "), and probes of the running servers, each overhead fitted so that "
+                "the simulated probe equals the measured one: "
+                + "; ".join(_overheads(n, res["probes"][n], o)
                             for n, o in res["overheads"].items()) + ".",
                 "", "Measured (median over repeats) against simulated (same seeds), per rate:",
                 "", "| rate | deployment | TTFT p50 ms meas / sim | TTFT p99 | TPOT p50 | "
@@ -462,6 +573,8 @@ def main() -> int:
     p.add_argument("--report", action="store_true", help="only rewrite the report")
     p.add_argument("--analyse", action="store_true",
                    help="redo the statistics and the simulation from the saved raw runs")
+    p.add_argument("--reprobe", action="store_true",
+                   help="with --analyse: probe both deployments' overheads again first")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --analyse: measure the step costs again first")
     args = p.parse_args()
@@ -471,6 +584,8 @@ def main() -> int:
         for kind in kinds:
             if args.analyse and args.recalibrate:
                 recalibrate(args.model, kind)
+            if args.analyse and args.reprobe:
+                reprobe(args.model, kind)
             res = (analyse(args.model, kind) if args.analyse else
                    experiment(args.model, kind, args.repeats, not args.no_tune))
             path = RESULTS / f"goodput_{args.model}_{kind}.json"

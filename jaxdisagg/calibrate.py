@@ -12,6 +12,12 @@ buckets, table widths) and its programs are timed as the schedulers call them:
 `simulate.fit_costs` turns the medians into a `FittedCosts` per pool. Pools that
 run in their own pinned processes (`jaxdisagg launch`) should be measured the same
 way: `--cores` pins this process before JAX starts.
+
+Two pools on neighbouring cores still share the memory bus and the last-level
+cache, so each runs slower while the other works. `busy` keeps one pool's programs
+running so that the other can be calibrated under that load
+(`jaxdisagg simulate --busy POOL`); the ratio of the two calibrations is the
+simulator's `PoolSpec.contended`.
 """
 
 from __future__ import annotations
@@ -64,6 +70,53 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
 
                 decode.append((active, width * bs, median_seconds(step, repeats)))
     return prefill, decode
+
+
+def busy(config, pool: str, limit_s: float = 1800.0, ready=None) -> None:
+    """Runs `pool`'s heaviest program in a loop until killed (or `limit_s`, so that a
+    forgotten load never outlives its calibration): prefill chunks of the largest
+    bucket over a half-full table, or decode steps with every slot active at the
+    widest table. `ready()` is called once it is compiled and looping."""
+    import time
+
+    from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.mesh.deployment import Deployment
+    from jaxdisagg.model.sampling import SamplingParams, row_params
+
+    cfg = load_config(config) if isinstance(config, str) else config
+    role = pool if cfg.mode == "disaggregated" else None
+    inst = Deployment.build(cfg, role=role).pools[pool][0]
+    bs, slots = inst.layout.block_size, inst.pool.max_slots
+    table = np.arange(inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
+    if pool == "prefill":
+        bucket = inst.chunk_buckets[-1]
+        prefix = max(0, (inst.max_pages * bs - bucket) // 2 // bs * bs)
+        tokens = np.ones(bucket, np.int32)
+
+        def step():
+            np.asarray(inst.prefill(tokens, prefix, bucket, table))
+    else:
+        tables = (np.arange(slots * inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
+                  ).reshape(inst.max_pages, slots).T
+        lens = np.full(slots, inst.table_widths[-1] * bs - 1, np.int32)
+        rows = row_params([SamplingParams()] * slots, 1, inst.config.vocab_size)
+
+        def step():
+            np.asarray(inst.decode(np.ones(slots, np.int32), lens - 1, tables, lens, rows)[0])
+    step()
+    if ready is not None:
+        ready()
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        step()
+
+
+def contention(alone: list, loaded: list) -> float:
+    """Median ratio of matching measured points (same shape) under load and alone:
+    the step-time multiplier while the neighbour works (1 when it costs nothing)."""
+    ratios = [b[-1] / a[-1] for a, b in zip(alone, loaded, strict=True)
+              if a[:-1] == b[:-1] and a[-1] > 0]
+    return max(1.0, float(np.median(ratios))) if ratios else 1.0
 
 
 def calibrate(config, pools=None, repeats: int = 5) -> dict[str, tuple]:

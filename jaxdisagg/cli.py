@@ -476,14 +476,22 @@ def cmd_simulate(args) -> int:
             Path(args.json).write_text(json.dumps(dataclasses.asdict(found), indent=1))
         return 0
     cfg = load_config(args.config)
+    if args.cores:
+        try:
+            cores = {int(c) for c in args.cores.split(",")}
+        except ValueError:
+            raise ValueError(f"--cores: comma-separated core numbers, got "
+                             f"{args.cores!r}") from None
+        os.sched_setaffinity(0, cores)  # before JAX starts its threads
+    if args.busy:
+        from jaxdisagg.calibrate import busy
+
+        if args.busy not in cfg.pools():
+            raise ValueError(f"--busy: no pool {args.busy!r} in {args.config} "
+                             f"(pools: {', '.join(cfg.pools())})")
+        busy(cfg, args.busy, ready=lambda: print("READY", flush=True))
+        return 0
     if args.calibrate:
-        if args.cores:
-            try:
-                cores = {int(c) for c in args.cores.split(",")}
-            except ValueError:
-                raise ValueError(f"--cores: comma-separated core numbers, got "
-                                 f"{args.cores!r}") from None
-            os.sched_setaffinity(0, cores)  # before JAX starts its threads
         from jaxdisagg.calibrate import calibrate
 
         pools = args.pools.split(",") if args.pools else None
@@ -831,7 +839,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the config's pools here, fit their step costs, write them")
     m.add_argument("--pools", help="with --calibrate: only these pools (comma-separated)")
     m.add_argument("--cores", metavar="C1,...",
-                   help="with --calibrate: pin to these cores first (as `launch` pins pools)")
+                   help="with --calibrate or --busy: pin to these cores first (as `launch` "
+                        "pins pools)")
+    m.add_argument("--busy", metavar="POOL",
+                   help="run POOL's heaviest program in a loop until killed (prints READY "
+                        "once looping): the load under which a neighbouring pool is "
+                        "calibrated")
     m.add_argument("--hardware", default="h100-sxm", help="roofline hardware entry")
     m.add_argument("--fabric", default="nvlink", help="KV transfer fabric (roofline FABRICS)")
     m.add_argument("--transfer-base-ms", type=float, default=0.1,

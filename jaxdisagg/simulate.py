@@ -168,6 +168,10 @@ class PoolSpec:
     chunk_size: int = 512
     max_slots: int = 0  # decode slots (0 for a prefill pool)
     tp: int = 1  # devices per instance, for per-device figures
+    # Step-time multiplier while an instance of the other phase is working: on a CPU
+    # the two pools' cores share the memory bus and last-level cache (calibrated
+    # with `jaxdisagg simulate --busy`); 1 where they share nothing.
+    contended: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,9 @@ class System:
     # Host time per token a decode instance emits (detokenizing, streaming it out): it
     # runs on other threads but takes the instance's cores, so each step carries it.
     token_s: float = 0.0
+    # The front end's time before a request reaches the pools (RPCs, routing): it
+    # delays the request and occupies no pool.
+    admit_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -236,7 +243,7 @@ class _Sim:
     def run(self, plan: list[tuple[float, int, int]], detail: bool) -> list[bench.Record]:
         reqs = [_Req(bench.Record(p, t), p, o) for t, p, o in plan]
         for r in reqs:
-            self.at(r.rec.arrival, lambda r=r: self.arrive(r))
+            self.at(r.rec.arrival + self.s.admit_s, lambda r=r: self.arrive(r))
         while self.events:
             self.now, _, fn = heapq.heappop(self.events)
             fn()
@@ -289,6 +296,11 @@ class _Inst:
         raise NotImplementedError
 
 
+def _slowdown(pool: PoolSpec, others: list[_Inst]) -> float:
+    """The pool's contention multiplier if any instance of the other phase is busy."""
+    return pool.contended if pool.contended != 1.0 and any(o.busy for o in others) else 1.0
+
+
 def _chunk(pool: PoolSpec, r: _Req) -> tuple[int, int, bool]:
     """(real tokens, executed tokens, last?) of the request's next chunk."""
     size = min(pool.chunk_size, r.prompt - r.pos)
@@ -315,7 +327,8 @@ class _PrefillInst(_Inst):
             dec.blocked.add(self)  # woken when the decode side takes a handoff
             return None
         r.marks.setdefault("prefill_start", t)
-        end = t + (self.pool.costs.prefill_s(executed, r.pos) if self.pool.costs else 0.0)
+        cost = self.pool.costs.prefill_s(executed, r.pos) if self.pool.costs else 0.0
+        end = t + cost * _slowdown(self.pool, self.sim.dec)
         r.pos += n
         if last:
             self.queue.popleft()
@@ -420,7 +433,7 @@ class _DecodeInst(_Inst):
                 heapq.heappop(self.lengths)
             longest = -self.lengths[0][0] + len(self.steps) + 1
             t += (self.pool.costs.decode_s(self.active, self.kv, longest)
-                  + self.sim.s.token_s * self.active)
+                  * _slowdown(self.pool, self.sim.pre) + self.sim.s.token_s * self.active)
             self.steps.append(t)
             self.kv += self.active
             k = len(self.steps) - 1
@@ -520,26 +533,31 @@ def capacity(system: System, prompt: float, output: float) -> float:
 
 
 def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None = None,
-                       iteration_s: float = 0.0, token_s: float = 0.0) -> System:
+                       iteration_s: float = 0.0, token_s: float = 0.0, admit_s: float = 0.0,
+                       contended: dict[str, float] | None = None) -> System:
     """The System a DeploymentConfig serves: its pools' instances, chunk sizes, slots
-    and tp, its router's handoff queue and local-prefill threshold. `costs` per pool
-    name; `transfer` defaults to the fabric table (loopback for cross_process, nvlink
-    otherwise), blocking when the decode side pulls (cross_process)."""
+    and tp, its router's handoff queue and local-prefill threshold. `costs` (and
+    optionally `contended`) per pool name; `transfer` defaults to the fabric table
+    (loopback for cross_process, nvlink otherwise), blocking when the decode side
+    pulls (cross_process)."""
     pools = cfg.pools()
+    contended = contended or {}
 
     def spec(name):
         p = pools[name]
         slots = 0 if name == "prefill" else p.max_slots
-        return PoolSpec(p.instances, costs[name], p.chunk_size, slots, p.tp)
+        return PoolSpec(p.instances, costs[name], p.chunk_size, slots, p.tp,
+                        contended.get(name, 1.0))
 
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,
-                      handoff_queue=cfg.router.handoff_queue, token_s=token_s)
+                      handoff_queue=cfg.router.handoff_queue, token_s=token_s,
+                      admit_s=admit_s)
     if transfer is None:
         raise ValueError("a disaggregated system needs its KV transfer's cost")
     return System("disaggregated", spec("decode"), spec("prefill"), transfer,
                   cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s,
-                  token_s)
+                  token_s, admit_s)
 
 
 # ---------------------------------------------------------------------- calibration files

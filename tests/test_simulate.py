@@ -69,6 +69,36 @@ def test_transfer_latency_delays_admission_but_stalls_nobody():
     assert second.ttft == pytest.approx(0.001 + latency, abs=d)  # admitted at a step's end
 
 
+def test_front_end_time_delays_each_request_and_occupies_no_pool():
+    d, admit = 0.004, 0.030
+    system = dataclasses.replace(disagg(costs((0.001, 0.0, 0.0)),
+                                        costs(decode=(d, 0.0, 0.0, 0.0))), admit_s=admit)
+    base = dataclasses.replace(system, admit_s=0.0)
+    plan = [(0.0, 16, 10), (0.002, 16, 10)]
+    for with_, without in zip(sim.simulate(system, plan), sim.simulate(base, plan),
+                              strict=True):
+        assert with_.ttft == pytest.approx(without.ttft + admit)
+        assert with_.itl == pytest.approx(without.itl)
+
+
+def test_contention_slows_a_pool_only_while_the_other_phase_works():
+    """The decode step costs `contended` times more exactly while a prefill runs: a
+    request decoding alone sees plain steps; one decoding while another's 0.100 s
+    prefill runs sees the slowed steps for those 0.100 s, and plain ones after."""
+    d, slow, pre = 0.010, 2.0, 0.100
+    system = disagg(costs((pre, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)))
+    system = dataclasses.replace(system, decode=dataclasses.replace(system.decode,
+                                                                    contended=slow))
+    (alone,) = sim.simulate(system, [(0.0, 16, 10)])
+    assert alone.itl == pytest.approx([d] * 9)  # its own prefill ended before it decodes
+    first, _ = sim.simulate(system, [(0.0, 16, 40), (0.2, 16, 2)])
+    slowed = [g for g in first.itl if g == pytest.approx(slow * d)]
+    plain = [g for g in first.itl if g == pytest.approx(d)]
+    assert len(slowed) + len(plain) == len(first.itl)
+    # steps starting inside [0.2, 0.3): ten plain steps' worth of time, half as many
+    assert len(slowed) == pytest.approx(pre / (slow * d), abs=1)
+
+
 def test_saturated_decode_throughput_is_batch_over_step_time():
     """With more requests waiting than slots, a decode instance emits slots / step
     decode tokens per second (first tokens surface at admission and are left out;
@@ -203,3 +233,41 @@ def test_cli_simulates_a_config_on_the_roofline_and_plans(tmp_path, capsys):
     # bad input names the flag
     assert main(["simulate", "--hardware", "h900"]) == 2
     assert "--hardware" in capsys.readouterr().err
+
+
+def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys):
+    """`simulate --calibrate` fits a served pool's own step times; `simulate --busy`
+    keeps a pool's program running (the load a neighbour is calibrated under) until
+    it is stopped; `contention` is the ratio of matching points."""
+    import subprocess
+    import sys
+
+    from jaxdisagg.calibrate import contention
+    from jaxdisagg.cli import main
+
+    out = tmp_path / "decode.json"
+    assert main(["simulate", "--calibrate", str(out), "--config", "configs/cpu-2proc.yaml",
+                 "--pools", "decode"]) == 0
+    fitted, extra = sim.load_calibration(out)
+    points = json.loads(out.read_text())["pools"]["decode"]["points"]["decode"]
+    assert extra["config"] == "configs/cpu-2proc.yaml" and points
+    assert all(s > 0 for *_, s in points)
+    widths = fitted["decode"].widths
+    small, full = fitted["decode"].decode_s(1, 16, 16), fitted["decode"].decode_s(8, 8 * 16, 16)
+    assert 0 < small <= full  # more rows never cost less: coefficients kept >= 0
+    assert len(points) == 3 * len(widths)  # 1, half and all slots at every width
+
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "simulate", "--config",
+                             "configs/cpu-2proc.yaml", "--busy", "prefill"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "READY"
+        assert proc.poll() is None  # still looping
+    finally:
+        proc.kill()
+        proc.wait()
+    assert main(["simulate", "--config", "configs/cpu-2proc.yaml", "--busy", "nope"]) == 2
+    assert "--busy" in capsys.readouterr().err
+
+    assert contention([[1, 64, 0.10], [8, 64, 0.20]], [[1, 64, 0.15], [8, 64, 0.30]]) == pytest.approx(1.5)
+    assert contention([[1, 64, 0.10]], [[1, 64, 0.09]]) == 1.0  # never a speed-up
