@@ -15,6 +15,13 @@ from jaxdisagg.serve.kv_cache import BlockManager
 BS = 8
 
 
+@pytest.fixture(params=[False, True], ids=["sync", "overlap"])
+def overlap(request):
+    """Every scenario runs both ways: each step read before the next is dispatched, and
+    the next dispatched first (fed the previous tokens on the device)."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def inst(tiny_model):
     return make_pool(tiny_model, [0, 1], 2)  # 24 blocks of 8, 3 slots, 8 pages a request
@@ -42,7 +49,7 @@ def prefilled(inst, mgr, rid, prompt, params, generated=()):
 def run(sched, pending, arrivals=None, max_steps=200):
     """Admits pending sequences as slots allow (and as they arrive), steps to the end."""
     done, step, waiting = {}, 0, list(pending)
-    while (waiting or sched.active) and step < max_steps:
+    while (waiting or sched.active or sched.in_flight) and step < max_steps:
         for seq in list(waiting):
             if sched.free_slots() and (arrivals is None or arrivals[seq.request_id] <= step):
                 waiting.remove(seq)
@@ -59,9 +66,9 @@ def run(sched, pending, arrivals=None, max_steps=200):
     return done, waiting
 
 
-def test_mixed_lengths_arriving_at_different_times(tiny_model, inst):
+def test_mixed_lengths_arriving_at_different_times(tiny_model, inst, overlap):
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
-    sched = DecodeScheduler(inst, mgr)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
     ps = prompts(0, (5, 17, 30, 11))
     limits = (6, 9, 4, 7)
     params = [SamplingParams(max_tokens=n) for n in limits]
@@ -74,9 +81,9 @@ def test_mixed_lengths_arriving_at_different_times(tiny_model, inst):
     assert mgr.num_available == mgr.num_blocks
 
 
-def test_kv_exhaustion_preempts_and_outputs_stay_identical(tiny_model, inst):
+def test_kv_exhaustion_preempts_and_outputs_stay_identical(tiny_model, inst, overlap):
     mgr = BlockManager(9, BS, prefix_cache=False)  # 9 blocks for 3 requests growing to 3-4
-    sched = DecodeScheduler(inst, mgr)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
     ps = prompts(1, (14, 15, 13))
     params = SamplingParams(max_tokens=12)
     want = ReferenceGenerator(tiny_model).generate(ps, params, stop_token_ids=[])
@@ -104,9 +111,9 @@ def test_kv_exhaustion_preempts_and_outputs_stay_identical(tiny_model, inst):
     assert mgr.num_available == mgr.num_blocks
 
 
-def test_seeded_sampling_matches_reference_and_top_k_1_is_greedy(tiny_model, inst):
+def test_seeded_sampling_matches_reference_and_top_k_1_is_greedy(tiny_model, inst, overlap):
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
-    sched = DecodeScheduler(inst, mgr)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
     ps = prompts(2, (9, 20))
     params = [SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=7, max_tokens=8),
               SamplingParams(temperature=1.3, top_k=1, seed=3, max_tokens=8)]
@@ -120,9 +127,9 @@ def test_seeded_sampling_matches_reference_and_top_k_1_is_greedy(tiny_model, ins
     assert mgr.num_available == mgr.num_blocks
 
 
-def test_stop_token_and_cancel_free_blocks(tiny_model, inst):
+def test_stop_token_and_cancel_free_blocks(tiny_model, inst, overlap):
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
-    sched = DecodeScheduler(inst, mgr)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
     ps = prompts(3, (10, 12))
     free_run = ReferenceGenerator(tiny_model).generate(ps[:1], SamplingParams(max_tokens=6),
                                                        stop_token_ids=[])[0]
@@ -136,14 +143,14 @@ def test_stop_token_and_cancel_free_blocks(tiny_model, inst):
         sched.step()
     cancelled = sched.cancel("b")
     assert cancelled is b and not b.blocks and sched.cancel("b") is None
-    while sched.active:
+    while sched.active or sched.in_flight:
         sched.step()
     assert a.finish_reason == "stop" and a.tokens == free_run[:free_run.index(stop) + 1]
     mgr.check()
     assert mgr.num_available == mgr.num_blocks
 
 
-def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, inst,
+def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, inst, overlap,
                                                                    monkeypatch):
     """Decode runs the narrowest compiled block-table width that holds the longest
     sequence in the batch (not max_pages), and the tokens do not depend on it."""
@@ -156,7 +163,7 @@ def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, in
 
     monkeypatch.setattr(inst, "_decode", spy)
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
-    sched = DecodeScheduler(inst, mgr)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
     ps = prompts(3, (3, 12))
     params = SamplingParams(max_tokens=30)
     done, _ = run(sched, [prefilled(inst, mgr, f"r{i}", p, params) for i, p in enumerate(ps)])
@@ -166,3 +173,51 @@ def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, in
         pages = -(-longest // BS)
         assert width >= pages and (width == 1 or width // 2 < pages)
     assert {w for w, _ in widths} == {2, 4, 8}  # 13 .. 41 tokens of 8 per page
+
+
+def test_overlap_dispatches_the_next_step_before_reading_this_one(tiny_model, inst,
+                                                                 monkeypatch):
+    """With overlap, step() returns the previous step's tokens: the first call reads
+    nothing, each later one feeds the step in flight's tokens on the device. A stop
+    token found in flight drops the one row computed past it; its blocks come back."""
+    feeds, real = [], inst.decode
+
+    def spy(tokens, *args):
+        feeds.append(type(tokens).__module__.split(".")[0])
+        return real(tokens, *args)
+
+    monkeypatch.setattr(inst, "decode", spy)
+    mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
+    sched = DecodeScheduler(inst, mgr, overlap=True)
+    ps = prompts(9, (7, 13))  # a's tokens: 374 374 245 ...
+    params = SamplingParams(max_tokens=6)
+    want = ReferenceGenerator(tiny_model).generate(ps, params, stop_token_ids=[])
+    a = prefilled(inst, mgr, "a", ps[0], params)
+    k = next(k for k in range(2, 5) if want[0][k] not in want[0][:k])
+    a.stop_ids = frozenset({want[0][k]})  # stops at its token k, decoded in flight
+    b = prefilled(inst, mgr, "b", ps[1], params)
+    sched.admit(a)
+    sched.admit(b)
+    first = sched.step()
+    assert first.launched and not first.tokens and sched.in_flight
+    second = sched.step()
+    assert [rid for rid, *_ in second.tokens] == ["a", "b"]
+    while sched.active or sched.in_flight:
+        sched.step()
+    assert a.finish_reason == "stop" and a.tokens == want[0][:k + 1]
+    assert b.finish_reason == "length" and b.tokens == want[1]
+    assert feeds[0] == "numpy" and set(feeds[1:]) == {"jaxlib"}
+    # b's 5 decoded tokens take 5 steps; the last is dispatched with nothing after it
+    assert len(feeds) == 5
+    mgr.check()
+    assert mgr.num_available == mgr.num_blocks
+
+
+def test_a_finished_sequence_is_refused_admission(tiny_model, inst):
+    mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
+    sched = DecodeScheduler(inst, mgr, overlap=True)
+    seq = prefilled(inst, mgr, "done", prompts(5, (6,))[0], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="already finished"):
+        sched.admit(seq)
+    mgr.release(seq.blocks)
+    assert mgr.num_available == mgr.num_blocks

@@ -48,6 +48,9 @@ class PoolConfig:
     # Prefix-cache blocks evicted from device memory are kept in host memory, up to this
     # many, and copied back on a later hit (0 = evicted blocks are simply dropped).
     host_cache_blocks: int = 0
+    # Decode dispatches step N+1 before reading step N's tokens, so the host's work per
+    # step (inputs, emitting tokens, stop checks) overlaps the device's.
+    overlap_steps: bool = True
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,24 @@ with a clear reason instead of being recomputed forever.
 A row whose own host work raises (building its inputs, taking its token) is
 retired with its blocks released and reported in `failed`; the other rows of the
 batch go on.
+
+With `overlap`, a step is dispatched before the previous one's tokens are read:
+each row's input token is the previous step's sampled token, still on the device,
+so the host builds inputs, emits tokens and checks stops while the device runs the
+next step (the overlap scheduling of vLLM and SGLang). `step` then returns the
+previous step's tokens. A row whose token in flight turns out to be a stop token
+has had one step too many computed: its output is dropped, and the KV it wrote
+lies past its end, in a block it owned (device programs run in order, so whoever
+gets that block next writes after it). Greedy and seeded tokens are the same
+either way: a row's inputs, position and sampling step do not change.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxdisagg.mesh.pool import PoolInstance
@@ -60,19 +72,43 @@ class StepResult:
     finished: list[Sequence]
     preempted: list[Sequence]  # blocks freed; recompute prompt + tokens to resume
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # blocks freed
+    launched: bool = False  # a step was dispatched (with overlap: still in flight)
+
+
+@dataclass
+class _InFlight:
+    """A dispatched step: its device outputs and the rows it computed."""
+
+    new: jax.Array
+    logprobs: jax.Array
+    rows: list[tuple[int, Sequence]]
+    seqs: set[int]  # id() of each row's sequence, for membership
+
+
+@jax.jit
+def _feed(previous: jax.Array, host: jax.Array, carried: jax.Array) -> jax.Array:
+    """Each row's input token: the step in flight's output where the row was in it."""
+    return jnp.where(carried, previous, host)
 
 
 class DecodeScheduler:
-    def __init__(self, inst: PoolInstance, blocks: BlockManager):
+    def __init__(self, inst: PoolInstance, blocks: BlockManager, overlap: bool = False):
         if blocks.block_size != inst.layout.block_size:
             raise ValueError("block manager and pool disagree on the block size")
         self.inst, self.blocks = inst, blocks
         self.slots: list[Sequence | None] = [None] * inst.pool.max_slots
+        self.overlap = overlap
         self._order = 0
+        self._flight: _InFlight | None = None
 
     @property
     def active(self) -> list[Sequence]:
         return [s for s in self.slots if s is not None]
+
+    @property
+    def in_flight(self) -> bool:
+        """A dispatched step's tokens are still to be read (overlap only)."""
+        return self._flight is not None
 
     def find(self, request_id: str) -> Sequence | None:
         return next((s for s in self.active if s.request_id == request_id), None)
@@ -86,6 +122,9 @@ class DecodeScheduler:
             raise RuntimeError("no free decode slot: check free_slots() before admitting")
         if not seq.tokens:
             raise ValueError(f"{seq.request_id}: a sequence enters decode with its first token")
+        if seq.finish_check():
+            raise ValueError(f"{seq.request_id}: already finished ({seq.finish_check()}); "
+                             "only a sequence with tokens left to generate enters decode")
         needed = -(-(seq.last_position + 1) // self.blocks.block_size)
         if len(seq.blocks) < needed - 1:
             raise ValueError(f"{seq.request_id}: {len(seq.blocks)} blocks cannot hold its "
@@ -109,11 +148,26 @@ class DecodeScheduler:
                 return self._retire(i)
         return None
 
+    def _ahead(self, seq: Sequence) -> int:
+        """Tokens of seq computed by the step in flight and not read yet (0 or 1)."""
+        return int(self._flight is not None and id(seq) in self._flight.seqs)
+
+    def _runs(self, seq: Sequence) -> bool:
+        """Whether the next step computes a token for seq: not when the token in
+        flight is already its last by max_tokens."""
+        return len(seq.tokens) + self._ahead(seq) < seq.params.max_tokens
+
+    def _blocks_short(self) -> int:
+        bs = self.blocks.block_size
+        return sum(max(0, (s.last_position + self._ahead(s)) // bs + 1 - len(s.blocks))
+                   for s in self.active if self._runs(s))
+
     def _ensure_blocks(self, preempted: list[Sequence], failed: list) -> None:
         """Gives every active sequence a block for the position it writes this step."""
         bs = self.blocks.block_size
         for seq in sorted(self.active, key=lambda s: s.admitted_order):
-            while seq in self.slots and seq.last_position // bs >= len(seq.blocks):
+            while (seq in self.slots and self._runs(seq)
+                   and (seq.last_position + self._ahead(seq)) // bs >= len(seq.blocks)):
                 try:
                     seq.blocks += self.blocks.allocate(1)
                 except OutOfBlocks:
@@ -129,16 +183,37 @@ class DecodeScheduler:
                         preempted.append(retired)
 
     def step(self) -> StepResult:
+        """Dispatches one decode step for every active row and returns the tokens of
+        the step it reads: this one, or with `overlap` the one dispatched before."""
+        if self._flight is not None and self._blocks_short() > self.blocks.num_available:
+            # Growing would preempt: read the step in flight first, so that a preempted
+            # sequence leaves with every token it was computed.
+            return self._read(self._take_flight())
         preempted: list[Sequence] = []
         failed: list[tuple[Sequence, Exception]] = []
         self._ensure_blocks(preempted, failed)
+        launched = self._launch(failed)
+        if self.overlap:
+            previous, self._flight = self._take_flight(), launched
+            result = self._read(previous)
+        else:
+            result = self._read(launched)
+        result.preempted[:0], result.failed[:0] = preempted, failed
+        result.launched = launched is not None
+        return result
+
+    def _take_flight(self) -> _InFlight | None:
+        flight, self._flight = self._flight, None
+        return flight
+
+    def _launch(self, failed: list) -> _InFlight | None:
         b, p = len(self.slots), self.inst.max_pages
-        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
+        tokens, positions, lens, carried = (np.zeros(b, np.int32) for _ in range(4))
         tables = np.zeros((b, p), np.int32)
         params, steps = [None] * b, [0] * b
-        active = []
+        rows = []
         for i, seq in enumerate(self.slots):
-            if seq is None:
+            if seq is None or not self._runs(seq):
                 continue
             try:
                 failpoint("decode.row", seq.request_id)
@@ -147,17 +222,29 @@ class DecodeScheduler:
                 tables[i] = 0
                 failed.append((self._retire(i), e))
                 continue
-            tokens[i], positions[i] = seq.tokens[-1], seq.last_position
-            lens[i] = seq.last_position + 1
-            params[i], steps[i] = seq.params, len(seq.tokens)
-            active.append((i, seq))
-        if not active:
-            return StepResult([], [], preempted, failed)
-        new, logprobs = self.inst.decode(tokens, positions, tables, lens,
+            ahead = self._ahead(seq)
+            carried[i] = ahead
+            tokens[i], positions[i] = seq.tokens[-1], seq.last_position + ahead
+            lens[i] = positions[i] + 1
+            params[i], steps[i] = seq.params, len(seq.tokens) + ahead
+            rows.append((i, seq))
+        if not rows:
+            return None
+        feed = tokens if not carried.any() else _feed(self._flight.new, tokens, carried > 0)
+        new, logprobs = self.inst.decode(feed, positions, tables, lens,
                                          row_params(params, steps, self.inst.config.vocab_size))
-        new, logprobs = np.asarray(new), np.asarray(logprobs)
-        out, finished = [], []
-        for i, seq in active:
+        return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
+
+    def _read(self, flight: _InFlight | None) -> StepResult:
+        """Reads a dispatched step's tokens (waiting for the device) and retires the
+        rows that finished. Rows retired since it was dispatched are skipped."""
+        if flight is None:
+            return StepResult([], [], [], [])
+        new, logprobs = np.asarray(flight.new), np.asarray(flight.logprobs)
+        out, finished, failed = [], [], []
+        for i, seq in flight.rows:
+            if self.slots[i] is not seq:  # cancelled, failed or finished meanwhile
+                continue
             try:
                 failpoint("decode.token", seq.request_id)
                 token = int(new[i])
@@ -170,4 +257,4 @@ class DecodeScheduler:
             seq.finish_reason = seq.finish_check()
             if seq.finish_reason:
                 finished.append(self._retire(i))
-        return StepResult(out, finished, preempted, failed)
+        return StepResult(out, finished, [], failed)

@@ -268,7 +268,7 @@ class DecodeWorker(_Worker):
         self.transfers = transfers  # prefill instance index -> transfer (insert side)
         self.scheduler = PrefillScheduler(inst, blocks)  # local prefill, piggybacked
         self.scheduler.on_start = self._started
-        self.decode = DecodeScheduler(inst, blocks)
+        self.decode = DecodeScheduler(inst, blocks, overlap=inst.pool.overlap_steps)
         self.handoffs: queue.Queue[Handoff] = queue.Queue(maxsize=handoff_queue)
         self.ready: deque[Handoff] = deque()  # prefilled, waiting for a slot (and blocks)
         self._resume: dict[str, Sequence] = {}  # preempted, being recomputed locally
@@ -440,13 +440,13 @@ class DecodeWorker(_Worker):
                              seq.stop_ids, resume=True)
             q = self.scheduler.queue  # first in line, behind a job already mid-prefill
             q.insert(1 if q and q[0].next_pos >= 0 else 0, job)
-        return (did or bool(result.tokens) or bool(result.preempted)
+        return (did or result.launched or bool(result.tokens) or bool(result.preempted)
                 or bool(result.failed))
 
     @property
     def idle(self) -> bool:
         return not (self.scheduler.queue or self.ready or self.decode.active
-                    or not self.handoffs.empty() or self._resume)
+                    or self.decode.in_flight or not self.handoffs.empty() or self._resume)
 
     def _gauges(self) -> dict:
         return {"slots_used": len(self.decode.active), "slots_total": len(self.decode.slots),
