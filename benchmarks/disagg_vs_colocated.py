@@ -9,7 +9,9 @@ One experiment = one model x one workload kind:
 
 1. Calibrate: each pool's step times are measured as it will run (the disaggregated
    pools pinned to one core each, as `launch` pins them; the colocated pool on both)
-   and fitted (`jaxdisagg simulate --calibrate`), in subprocesses.
+   and fitted (`jaxdisagg simulate --calibrate`), in subprocesses; each pinned pool
+   again while the other one runs its heaviest program (`simulate --busy`), for the
+   slowdown their sharing of the memory system costs.
 2. Tune the colocated baseline: every candidate chunk size x slot count runs one
    sweep over the coarse rate grid; the one with the most attained requests is kept.
 3. Start both deployments and keep them up. Each repeat draws a fresh seed and runs
@@ -17,8 +19,13 @@ One experiment = one model x one workload kind:
 4. Goodput rate (where SLO attainment falls through 90%) per deployment, as the
    median of a two-level bootstrap (runs resampled, then requests within each rate)
    with its 95% interval; a verdict only when the intervals do not overlap.
-5. Simulate the same seeds on the calibrated costs and put prediction beside
+5. Simulate the same seeds on the calibrated costs, with the host overheads that
+   probes of the running servers measured (`probe`), and put prediction beside
    measurement: TTFT and TPOT p50/p99 per rate and the goodput rate.
+
+`--analyse` redoes 4-5 from the saved raw runs; with `--recalibrate` and `--reprobe`
+it measures the simulator's inputs again first (both deployments started as they
+were measured).
 
 Writes benchmarks/results/goodput_<model>_<workload>.json and regenerates
 benchmarks/disagg_vs_colocated.md from every such file present.
@@ -71,8 +78,8 @@ EXPERIMENTS = {
                  "slo": (6000, 250), "coarse": (0.1, 0.2, 0.4),
                  "rates": (0.1, 0.15, 0.2, 0.3, 0.4)},
         "short": {"prompt": ("uniform", 16, 64), "output": 24, "requests": 12,
-                  "window_s": 12, "slo": (4000, 400), "coarse": (0.5, 1.0, 2.0),
-                  "rates": (0.5, 1, 1.5, 2, 3)},
+                  "window_s": 12, "slo": (4000, 400), "coarse": (1, 3, 5),
+                  "rates": (1, 2, 3, 4, 5, 6)},
     },
 }
 
@@ -376,6 +383,13 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     spec, disagg = exp[kind], exp["config"]
     best = exp["candidates"][1] if model == "tiny" else exp["candidates"][0]  # untuned
     tuning = {}
+    saved = RESULTS / f"goodput_{model}_{kind}.runs.json"
+    if not tune and saved.exists():  # the last tuning sweep's choice, and its record
+        last = json.loads(saved.read_text())
+        if last.get("tuning"):
+            best, tuning = tuple(last["best"]), {**last["tuning"],
+                                                 "reused from": last["date"]}
+            log(f"reusing the tuning sweep of {last['date']}: chunk {best[0]} slots {best[1]}")
     if tune:
         for chunk, slots in exp["candidates"]:
             path = colocated_config(disagg, chunk, slots)
@@ -461,10 +475,34 @@ def _err(pred, meas) -> str:
     return f"{(pred - meas) / meas:+.0%}"
 
 
+KEYS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
+
+
+def _within(res: dict, tol: float) -> str:
+    """How many rate x deployment cells the simulator predicts within `tol`, per metric,
+    and the goodput rates' errors."""
+    counts = {k: [0, 0] for k in KEYS}
+    for rate in (str(float(r)) for r in res["spec"]["rates"]):
+        for name in ("disaggregated", "colocated"):
+            for key in KEYS:
+                mv = _median(res["runs"][name], rate, key)
+                pv = _median(res["simulated"][name], rate, key)
+                if mv:
+                    counts[key][1] += 1
+                    counts[key][0] += pv is not None and abs(pv - mv) / mv <= tol
+    cells = ", ".join(f"{k.replace('_ms', '').replace('_', ' ')} {a}/{n}"
+                      for k, (a, n) in counts.items())
+    good = ", ".join(
+        f"{name} {_err(res['simulated_goodput'][name]['pooled'], g['pooled'])}"
+        for name, g in res["goodput"].items())
+    return (f"Simulator within {tol:.0%} of the measurement (rate x deployment cells): "
+            f"{cells}. Goodput rate error: {good}.")
+
+
 def _paired(goodput: dict) -> str:
     pairs = zip(goodput["disaggregated"]["per_run"], goodput["colocated"]["per_run"],
                 strict=True)
-    ratios = [f"{d / c:.2f}x" if c else "-" for d, c in pairs]
+    ratios = [f"{d / c:.2f}x" if c else "undefined (colocated 0)" for d, c in pairs]
     return ", ".join(ratios)
 
 
@@ -525,7 +563,8 @@ def render(results: list[dict]) -> str:
                 f"- Colocated: one `jaxdisagg serve` process free to use both cores, chunk "
                 f"{co['chunk_size']}, {co['max_slots']} slots, the decode pool's blocks; "
                 "chosen by the tuning sweep: "
-                + (", ".join(f"{k}: {v} requests attained" for k, v in co["tuning"].items())
+                + (", ".join(f"{k}: {v} requests attained" if k != "reused from" else
+                             f"(the sweep of {v}, reused)" for k, v in co["tuning"].items())
                    or "not tuned this run") + ".",
                 f"- Per-run goodput rates: disaggregated "
                 f"{', '.join(f'{v:.2f}' for v in res['goodput']['disaggregated']['per_run'])}; "
@@ -543,6 +582,7 @@ def render(results: list[dict]) -> str:
                 "the simulated probe equals the measured one: "
                 + "; ".join(_overheads(n, res["probes"][n], o)
                             for n, o in res["overheads"].items()) + ".",
+                "", _within(res, 0.2),
                 "", "Measured (median over repeats) against simulated (same seeds), per rate:",
                 "", "| rate | deployment | TTFT p50 ms meas / sim | TTFT p99 | TPOT p50 | "
                 "TPOT p99 | attainment meas / sim |", "|---" * 7 + "|"]
@@ -569,7 +609,8 @@ def main() -> int:
     p.add_argument("--workload", choices=("long", "short", "both"), default="both")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-tune", action="store_true",
-                   help="skip the colocated tuning sweep (use the default candidate)")
+                   help="skip the colocated tuning sweep: reuse the last saved sweep's "
+                        "choice, else the default candidate")
     p.add_argument("--report", action="store_true", help="only rewrite the report")
     p.add_argument("--analyse", action="store_true",
                    help="redo the statistics and the simulation from the saved raw runs")

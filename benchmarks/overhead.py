@@ -12,7 +12,9 @@ called in a loop with the same batch, block-table width and context, its tokens
 copied to the host as the engine does. Both are taken in an early window (tokens
 64-192) and a late one (the last 128 tokens), to show whether any per-token cost
 grows with the output. Rounds alternate engine and bare runs; the table gives the
-median and range of the ratio. Writes benchmarks/results/overhead.json.
+median and range of the ratio. The engine runs twice a round, with decode overlap
+scheduling (the default) and without it, for the A/B. Writes
+benchmarks/results/overhead.json.
 """
 
 import os
@@ -93,29 +95,42 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, min(250, engine.vocab_size), PROMPT).tolist()
                for _ in range(args.slots)]
+    worker = engine.decoders[0]
     rounds = []
     with engine:
         engine.generate([prompts[0]], SamplingParams(max_tokens=4))  # first calls, excluded
-        for _ in range(args.rounds):  # alternate: engine, then the bare loop
-            eng = engine_round(engine, prompts, args.new)
-            # The engine's thread is idle now; the bare loop uses its instance.
-            bare = bare_round(inst, args.slots, args.new)
-            rounds.append({"engine_s": eng, "bare_s": bare,
-                           "ratio": {k: eng[k] / bare[k] for k in eng}})
+        for r in range(args.rounds):  # the three runs in a rotated order
+            out = {}
+            for kind in ("overlap", "sync", "bare")[r % 3:] + ("overlap", "sync", "bare")[:r % 3]:
+                if kind == "bare":  # the engine's thread is idle: the loop uses its instance
+                    out[kind] = bare_round(inst, args.slots, args.new)
+                else:  # switched between runs, with no step in flight
+                    worker.decode.overlap = kind == "overlap"
+                    out[kind] = engine_round(engine, prompts, args.new)
+            rounds.append({"engine_s": out["overlap"], "sync_s": out["sync"],
+                           "bare_s": out["bare"],
+                           "ratio": {k: out["overlap"][k] / out["bare"][k] for k in out["bare"]},
+                           "sync_ratio": {k: out["sync"][k] / out["bare"][k]
+                                          for k in out["bare"]}})
 
     print(f"\n{args.model} fp32, {args.slots} slots x {args.new} new tokens, "
           f"{args.rounds} rounds ({platform.machine()}, {os.cpu_count()} cores)\n")
-    print(f"{'window':<8}{'engine step ms':>16}{'bare step ms':>14}{'engine / bare':>24}")
+    print(f"{'window':<8}{'engine step ms':>16}{'bare step ms':>14}{'engine / bare':>24}"
+          f"{'without overlap / bare':>30}")
     summary = {}
     for name in windows(args.new):
         eng = [r["engine_s"][name] * 1e3 for r in rounds]
         bare = [r["bare_s"][name] * 1e3 for r in rounds]
         ratio = [r["ratio"][name] for r in rounds]
+        sync = [r["sync_ratio"][name] for r in rounds]
         summary[name] = {"engine_ms": statistics.median(eng), "bare_ms": statistics.median(bare),
                          "ratio_median": statistics.median(ratio),
-                         "ratio_range": [min(ratio), max(ratio)]}
+                         "ratio_range": [min(ratio), max(ratio)],
+                         "sync_ratio_median": statistics.median(sync),
+                         "sync_ratio_range": [min(sync), max(sync)]}
         print(f"{name:<8}{statistics.median(eng):>16.2f}{statistics.median(bare):>14.2f}"
-              f"{statistics.median(ratio):>12.3f}x [{min(ratio):.3f}-{max(ratio):.3f}]")
+              f"{statistics.median(ratio):>12.3f}x [{min(ratio):.3f}-{max(ratio):.3f}]"
+              f"{statistics.median(sync):>16.3f}x [{min(sync):.3f}-{max(sync):.3f}]")
     print("\nmedian [range] over rounds; target: engine / bare <= 1.10 in both windows")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(),
                             "cores": os.cpu_count(), "args": vars(args), "rounds": rounds,

@@ -73,6 +73,7 @@ class StepResult:
     preempted: list[Sequence]  # blocks freed; recompute prompt + tokens to resume
     failed: list[tuple[Sequence, Exception]] = field(default_factory=list)  # blocks freed
     launched: bool = False  # a step was dispatched (with overlap: still in flight)
+    read: bool = False  # a dispatched step's tokens were read (some rows may be gone)
 
 
 @dataclass
@@ -257,4 +258,4 @@ class DecodeScheduler:
             seq.finish_reason = seq.finish_check()
             if seq.finish_reason:
                 finished.append(self._retire(i))
-        return StepResult(out, finished, [], failed)
+        return StepResult(out, finished, [], failed, read=True)

@@ -440,7 +440,7 @@ class DecodeWorker(_Worker):
                              seq.stop_ids, resume=True)
             q = self.scheduler.queue  # first in line, behind a job already mid-prefill
             q.insert(1 if q and q[0].next_pos >= 0 else 0, job)
-        return (did or result.launched or bool(result.tokens) or bool(result.preempted)
+        return (did or result.launched or result.read or bool(result.preempted)
                 or bool(result.failed))
 
     @property
