@@ -212,9 +212,9 @@ def probe(address: str, slots: int) -> dict:
     a lone request and of a full batch of short requests. `simulated` charges the
     gaps' excess over the calibrated steps to host time per decode iteration and per
     token emitted (detokenizing, streaming: other threads on the instance's cores),
-    the short prompt's TTFT excess to the front end, and the long prompt's further
-    excess to the KV transfer's latency (messages between processes, which stall
-    nobody)."""
+    and the TTFT excess, linear in the prompt's length, to the front end (its fixed
+    part) and, disaggregated, to the cross-process KV pull (its part per token: the
+    decode thread pulls, so the batch waits for all of it)."""
     target = bench.ServerTarget(address)
 
     def ttft(length):
@@ -331,9 +331,12 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
     for name, cfg in configs.items():
-        def system(it=0.0, token=0.0, admit=0.0, latency=0.0, cfg=cfg):
-            transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS["loopback"],
-                                    blocking=True, latency_s=latency)
+        def system(it=0.0, token=0.0, admit=0.0, pull=0.0, cfg=cfg):
+            # pull: the cross-process pull's time per prompt token beyond the fabric
+            # table's bandwidth (the decode thread waits for all of it)
+            per_token = m.kv_bytes_per_token / rl.FABRICS["loopback"] + pull
+            transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
+                                    blocking=True)
             return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended)
 
         def gap(n, **kw):
@@ -355,13 +358,17 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         else:  # an older probe: all of it per token
             token, it = max(0.0, excess_batch) / slots, 0.0
         long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token)
-        admit = 0.0
-        if "short_ttft_s" in pr:
-            admit = max(0.0, pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token))
-        latency = (max(0.0, pr["idle_ttft_s"] - admit - long_ttft)
-                   if name == "disaggregated" else 0.0)
+        excess_long = pr["idle_ttft_s"] - long_ttft
+        admit = pull = 0.0
+        if "short_ttft_s" in pr:  # TTFT excess = front end + (disaggregated) pull per token
+            excess_short = pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token)
+            if name == "disaggregated":
+                pull = max(0.0, (excess_long - excess_short) / (PROBE_PROMPT - PROBE_SHORT))
+            admit = max(0.0, excess_short - PROBE_SHORT * pull)
+        elif name == "disaggregated":  # an older probe: all of it in the pull
+            pull = max(0.0, excess_long) / PROBE_PROMPT
         overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
-                           "transfer_latency_s": latency, "calibrated_itl_s": itl_batch,
+                           "pull_s_per_token": pull, "calibrated_itl_s": itl_batch,
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
                            "contended": contended if name == "disaggregated" else {}}
@@ -370,7 +377,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             run = {}
             for k, rate in enumerate(rates):
                 wl = workload(spec, rate_seed(seed, k), rate)
-                records = sim.simulate(system(it, token, admit, latency), sim.plan_of(wl))
+                records = sim.simulate(system(it, token, admit, pull), sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
             runs.append(run)
@@ -519,7 +526,9 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                  f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
                  f"emitted, {o.get('admit_s', 0) * ms:.1f} ms in the front end"
-                 + (f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"
+                 + (f" and {o['pull_s_per_token'] * 1e6:.0f} us per prompt token of KV pull "
+                    "beyond the fabric table's bandwidth" if "pull_s_per_token" in o else
+                    f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"
                     if name == "disaggregated" else ""))
     return ", ".join(parts)
 

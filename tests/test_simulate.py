@@ -269,5 +269,6 @@ def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys)
     assert main(["simulate", "--config", "configs/cpu-2proc.yaml", "--busy", "nope"]) == 2
     assert "--busy" in capsys.readouterr().err
 
-    assert contention([[1, 64, 0.10], [8, 64, 0.20]], [[1, 64, 0.15], [8, 64, 0.30]]) == pytest.approx(1.5)
+    alone, loaded = [[1, 64, 0.10], [8, 64, 0.20]], [[1, 64, 0.15], [8, 64, 0.30]]
+    assert contention(alone, loaded) == pytest.approx(1.5)
     assert contention([[1, 64, 0.10]], [[1, 64, 0.09]]) == 1.0  # never a speed-up
