@@ -217,6 +217,8 @@ def probe(address: str, slots: int) -> dict:
     decode thread pulls, so the batch waits for all of it)."""
     target = bench.ServerTarget(address)
 
+    stages = {}
+
     def ttft(length):
         out = []
         for seed in range(3):
@@ -224,6 +226,8 @@ def probe(address: str, slots: int) -> dict:
             prompt = np.random.default_rng(seed).integers(3, 250, length).tolist()
             target.run_one(prompt, 2, rec)
             out.append(rec.ttft)
+            for k, v in rec.stages.items():  # the server's own timeline of each stage
+                stages.setdefault(f"{length}_{k}", []).append(v)
         return statistics.median(out)
 
     def itl(n):
@@ -232,8 +236,10 @@ def probe(address: str, slots: int) -> dict:
         return statistics.median(g for r in bench.run(target, wl) for g in r.itl[8:56])
 
     try:
-        return {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT),
-                "lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots}
+        out = {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT),
+               "lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots}
+        out["stages_s"] = {k: statistics.median(v) for k, v in stages.items()}
+        return out
     finally:
         target.client.close()
 
@@ -522,6 +528,11 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
     if "lone_itl_s" in pr:
         parts.append(f"a lone request's inter-token gap {pr['lone_itl_s'] * ms:.2f} ms "
                      f"(steps alone {o['calibrated_lone_itl_s'] * ms:.2f})")
+    if pr.get("stages_s"):
+        parts.append(f"(the server's own stages of the {PROBE_PROMPT}-token one: "
+                     + ", ".join(f"{k.split('_', 1)[1]} {v * ms:.1f} ms"
+                                 for k, v in pr["stages_s"].items()
+                                 if k.startswith(f"{PROBE_PROMPT}_")) + ")")
     parts.append(f"a full batch's {pr['batch_itl_s'] * ms:.2f} ms (steps alone "
                  f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "

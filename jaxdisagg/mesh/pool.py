@@ -99,6 +99,10 @@ class PoolInstance:
             functools.partial(decode_step, graphdef, backend=self.backend, mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))  # compiled on first use
+        # Overlap scheduling's input tokens: the step in flight's where carried, else the
+        # host's (`feed`).
+        self._feed = jax.jit(lambda prev, host, carried: jnp.where(carried, prev, host),
+                             in_shardings=(rep, rep, rep), out_shardings=rep)
         self.table_widths = table_widths(self.max_pages)
         self.chunk_buckets = chunk_buckets(pool.chunk_size)
         self.groups = layer_groups(self.config.num_layers,
@@ -159,6 +163,12 @@ class PoolInstance:
                                               block_tables[:, :width], seq_lens, rows)
         return new, logprobs
 
+    def feed(self, previous: jax.Array, tokens: np.ndarray, carried: np.ndarray) -> jax.Array:
+        """A decode step's input tokens [B] when the previous step is still in flight:
+        row i takes `previous[i]` (that step's sampled token, on the device) where
+        `carried[i]`, else `tokens[i]` from the host."""
+        return self._feed(previous, tokens, carried)
+
     def decode_logits(self, tokens: np.ndarray, positions: np.ndarray,
                       block_tables: np.ndarray, seq_lens: np.ndarray) -> jax.Array:
         """The same step returning fp32 logits [B, V] (tests and tools; not served)."""
@@ -209,8 +219,12 @@ class PoolInstance:
             rows = row_params([None] * b, 0, self.config.vocab_size)
             for width in self.table_widths:  # one program per table width
                 lens = np.full(b, width * self.layout.block_size, np.int32)
-                jax.block_until_ready(self.decode(zeros, zeros, np.tile(table, (b, 1)), lens,
-                                                  rows))
+                tables = np.tile(table, (b, 1))
+                new, _ = self.decode(zeros, zeros, tables, lens, rows)
+                if self.pool.overlap_steps:  # fed on the device: a call of its own kind
+                    new, _ = self.decode(self.feed(new, zeros, np.ones(b, bool)), zeros,
+                                         tables, lens, rows)
+                jax.block_until_ready(new)
         if self.pool.host_cache_blocks:
             self.write_block(self.read_block(0), 0)
         self.kv = self._allocate()  # warm-up wrote into the last block: start clean

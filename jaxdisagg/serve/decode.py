@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxdisagg.mesh.pool import PoolInstance
@@ -84,12 +83,6 @@ class _InFlight:
     logprobs: jax.Array
     rows: list[tuple[int, Sequence]]
     seqs: set[int]  # id() of each row's sequence, for membership
-
-
-@jax.jit
-def _feed(previous: jax.Array, host: jax.Array, carried: jax.Array) -> jax.Array:
-    """Each row's input token: the step in flight's output where the row was in it."""
-    return jnp.where(carried, previous, host)
 
 
 class DecodeScheduler:
@@ -231,7 +224,8 @@ class DecodeScheduler:
             rows.append((i, seq))
         if not rows:
             return None
-        feed = tokens if not carried.any() else _feed(self._flight.new, tokens, carried > 0)
+        feed = (tokens if not carried.any() else
+                self.inst.feed(self._flight.new, tokens, carried > 0))
         new, logprobs = self.inst.decode(feed, positions, tables, lens,
                                          row_params(params, steps, self.inst.config.vocab_size))
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
