@@ -28,13 +28,22 @@ from jaxdisagg import simulate as sim
 from jaxdisagg.roofline import median_seconds
 
 
+def _tables(inst) -> tuple[np.ndarray, np.ndarray]:
+    """One request's block table [P], and every slot's [slots, P] as the decode worker
+    lays them out: sequences that grew together hold interleaved pages."""
+    pages, slots, blocks = inst.max_pages, inst.pool.max_slots, inst.pool.num_blocks
+    one = np.arange(pages, dtype=np.int32) % blocks
+    full = (np.arange(slots * pages, dtype=np.int32) % blocks).reshape(pages, slots).T
+    return one, full
+
+
 def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
     """(tokens, prefix, s) prefill points and (active, width tokens, s) decode points."""
     from jaxdisagg.model.sampling import SamplingParams, row_params, sample_rows
 
     bs = inst.layout.block_size
     reach = inst.max_pages * bs
-    table = np.arange(inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
+    table, full = _tables(inst)
     prefill = []
     for bucket in inst.chunk_buckets:
         for prefix in sorted({0, max(0, min(reach - bucket, reach // 2) // bs * bs)}):
@@ -48,11 +57,7 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
     slots = inst.pool.max_slots
     decode = []
     if inst.name != "prefill":  # a prefill pool never decodes
-        pages = inst.max_pages
-        # As the decode worker lays them out: sequences that grew together hold
-        # interleaved pages, and an empty row's table is all zeros (it reads block 0).
-        full = (np.arange(slots * pages, dtype=np.int32) % inst.pool.num_blocks
-                ).reshape(pages, slots).T
+        # An empty row's table is all zeros, as the worker's (it reads block 0).
         for active in sorted({1, max(1, slots // 2), slots}):
             params = [SamplingParams()] * active + [None] * (slots - active)
             rows = row_params(params, 1, inst.config.vocab_size)
@@ -87,7 +92,7 @@ def busy(config, pool: str, limit_s: float = 1800.0, ready=None) -> None:
     role = pool if cfg.mode == "disaggregated" else None
     inst = Deployment.build(cfg, role=role).pools[pool][0]
     bs, slots = inst.layout.block_size, inst.pool.max_slots
-    table = np.arange(inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
+    table, tables = _tables(inst)
     if pool == "prefill":
         bucket = inst.chunk_buckets[-1]
         prefix = max(0, (inst.max_pages * bs - bucket) // 2 // bs * bs)
@@ -96,8 +101,6 @@ def busy(config, pool: str, limit_s: float = 1800.0, ready=None) -> None:
         def step():
             np.asarray(inst.prefill(tokens, prefix, bucket, table))
     else:
-        tables = (np.arange(slots * inst.max_pages, dtype=np.int32) % inst.pool.num_blocks
-                  ).reshape(inst.max_pages, slots).T
         lens = np.full(slots, inst.table_widths[-1] * bs - 1, np.int32)
         rows = row_params([SamplingParams()] * slots, 1, inst.config.vocab_size)
 

@@ -202,7 +202,8 @@ class DecodeScheduler:
 
     def _launch(self, failed: list) -> _InFlight | None:
         b, p = len(self.slots), self.inst.max_pages
-        tokens, positions, lens, carried = (np.zeros(b, np.int32) for _ in range(4))
+        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
+        carried = np.zeros(b, bool)  # the row's input is the step in flight's token
         tables = np.zeros((b, p), np.int32)
         params, steps = [None] * b, [0] * b
         rows = []
@@ -217,7 +218,7 @@ class DecodeScheduler:
                 failed.append((self._retire(i), e))
                 continue
             ahead = self._ahead(seq)
-            carried[i] = ahead
+            carried[i] = ahead > 0
             tokens[i], positions[i] = seq.tokens[-1], seq.last_position + ahead
             lens[i] = positions[i] + 1
             params[i], steps[i] = seq.params, len(seq.tokens) + ahead
@@ -225,7 +226,7 @@ class DecodeScheduler:
         if not rows:
             return None
         feed = (tokens if not carried.any() else
-                self.inst.feed(self._flight.new, tokens, carried > 0))
+                self.inst.feed(self._flight.new, tokens, carried))
         new, logprobs = self.inst.decode(feed, positions, tables, lens,
                                          row_params(params, steps, self.inst.config.vocab_size))
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
