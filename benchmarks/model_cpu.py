@@ -76,7 +76,7 @@ def model_costs(cfg, nbytes: int = 4) -> dict:
 def ours(model, repeats: int) -> dict:
     cfg = model.config
     graphdef, state = nnx.split(model)
-    fns = jit_serving_fns(graphdef)
+    fns = jit_serving_fns(graphdef, backend="auto")  # as served
     pages = CONTEXT // BLOCK + 8  # room for the decoded tokens
     layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BLOCK)
     kv = [layout.allocate()]

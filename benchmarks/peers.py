@@ -67,7 +67,7 @@ class Ours:
         self.model = model
         cfg = model.config
         graphdef, self.state = nnx.split(model)
-        self.fns = jit_serving_fns(graphdef)
+        self.fns = jit_serving_fns(graphdef, backend="auto")  # as served
         pages = CONTEXT // BS + 1
         self.layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BS)
         self.kv = self.layout.allocate()

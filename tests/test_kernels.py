@@ -130,7 +130,7 @@ def test_kernels_under_shard_map(tp):
 
 def test_backend_names():
     assert resolve_backend("auto") == ("pallas" if jax.default_backend() == "gpu"
-                                       else "reference")
+                                       else "cpu")  # the fallback: test_cpu_kernel.py
     with pytest.raises(ValueError, match="unknown attention backend 'triton'.*pallas_interpret"):
         resolve_backend("triton")
 

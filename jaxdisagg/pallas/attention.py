@@ -2,11 +2,14 @@
 
 Every backend has the signatures of `prefill_attention` and `decode_attention`:
 
-* `reference`: plain jnp (`reference.py`), the CPU default and the oracle;
+* `reference`: plain jnp (`reference.py`), the oracle, and the fallback where `cpu`
+  cannot be built;
+* `cpu`: decode attention as one C++ custom call per layer (`cpu.py`), the CPU default;
+  prefill, already matmul-bound on XLA:CPU, and non-fp32 pages use the reference;
 * `pallas`: the Pallas kernels (`prefill.py`, `decode.py`) lowered for NVIDIA GPUs
   through Pallas' Triton backend;
 * `pallas_interpret`: the same kernels in interpret mode (CPU, for tests);
-* `auto`: `pallas` on a GPU, `reference` elsewhere.
+* `auto`: `pallas` on a GPU, else `cpu` where its kernel builds, else `reference`.
 
 Inside a sharded program, pass the pool's `mesh`: the kernels then run under
 `jax.shard_map` over the `tp` axis, each device on its own KV heads and their query
@@ -21,11 +24,12 @@ import functools
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxdisagg.pallas import cpu
 from jaxdisagg.pallas.decode import paged_decode_attention
 from jaxdisagg.pallas.prefill import paged_prefill_attention
 from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_ref
 
-BACKEND_NAMES = ("auto", "reference", "pallas", "pallas_interpret")
+BACKEND_NAMES = ("auto", "reference", "cpu", "pallas", "pallas_interpret")
 TP = "tp"
 
 
@@ -35,7 +39,11 @@ def resolve_backend(name: str) -> str:
         raise ValueError(
             f"unknown attention backend {name!r}; available: {', '.join(BACKEND_NAMES)}")
     if name == "auto":
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
+        if jax.default_backend() == "gpu":
+            return "pallas"
+        return "cpu" if cpu.available() else "reference"
+    if name == "cpu" and not cpu.available():
+        raise ValueError(f"attention backend 'cpu' is unavailable: {cpu.unavailable_reason()}")
     return name
 
 
@@ -60,7 +68,7 @@ def prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *, sca
                       backend: str = "reference", mesh: Mesh | None = None):
     """Chunk queries [T, N, H] at start.. over the request's pages -> [T, N, H]."""
     backend = resolve_backend(backend)
-    if backend == "reference":
+    if backend in ("reference", "cpu"):
         return prefill_attention_ref(q, k_pages, v_pages, block_table, start, num_valid,
                                      scale=scale)
     kernel = functools.partial(_kernels(backend)[0], scale=scale)
@@ -73,9 +81,14 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
                      backend: str = "reference", mesh: Mesh | None = None):
     """One query per slot [B, N, H] over each slot's pages -> [B, N, H]."""
     backend = resolve_backend(backend)
+    if backend == "cpu" and not cpu.supports(k_pages.dtype, q.shape[-1]):
+        backend = "reference"
     if backend == "reference":
         return decode_attention_ref(q, k_pages, v_pages, block_tables, seq_lens, scale=scale)
-    kernel = functools.partial(_kernels(backend)[1], scale=scale)
+    if backend == "cpu":
+        kernel = functools.partial(cpu.paged_decode_attention_cpu, scale=scale)
+    else:
+        kernel = functools.partial(_kernels(backend)[1], scale=scale)
     fn = _sharded(kernel, mesh, (_HEADS, _PAGES, _PAGES, PartitionSpec(), PartitionSpec()),
                   _HEADS)
     return fn(q, k_pages, v_pages, block_tables, seq_lens)

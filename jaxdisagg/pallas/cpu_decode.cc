@@ -1,0 +1,241 @@
+// Paged decode attention for XLA:CPU as one custom call per layer.
+//
+// XLA:CPU runs the jnp formulation (reference.py) as a dozen ops a layer, each with a
+// fixed cost of 100-300 us on a small machine, so at SmolLM2's shapes attention took
+// longer than the model's matmuls. Here one call walks each slot's pages once, in
+// order: each key of a page is scored against the G query heads of its KV head, an
+// online softmax keeps a running maximum and sum, and the values accumulate in the
+// same pass, so K and V are each read once and nothing is gathered or materialised.
+//
+// Layouts (as reference.py): q [B, N, H] with N = K*G (query head n = k*G + g);
+// pages [NB, bs, K, H]; tables [B, P]; lens [B] keys per slot (0: empty slot, zeros).
+// Table entries are read as jnp indexing reads them (negative from the end, clamped).
+//
+// Work items are (slot, range of its pages), shared out over XLA's intra-op thread pool
+// (a lone slot is split too, as in flash-decoding, and the partials merged); the
+// calling thread takes items as well, so the call completes even when the pool is busy.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+struct Dims {
+  int64_t b, n, h, nb, bs, k, g, p;
+};
+
+// exp for the softmax, in a form the compiler vectorises (std::exp is a scalar libm call,
+// and at G*bs calls a page it cost as much as all the multiply-adds). Cody-Waite range
+// reduction and a degree-6 polynomial: within 1 ulp of exp over [-87, 0], the range
+// used here. Arguments below -87 count as -87 (a weight of 1.6e-38, i.e. none).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// 16 fp32 lanes (one AVX-512 register; the compiler splits it where vectors are
+// narrower). Head dims are multiples of 16 (the Python side checks).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+inline V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hsum(V16 v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// As jnp indexing reads a table entry: negative counts from the end, then clamped.
+inline int64_t page_index(int64_t entry, int64_t num_blocks) {
+  return std::clamp<int64_t>(entry < 0 ? entry + num_blocks : entry, 0, num_blocks - 1);
+}
+
+// A slot's pages [p0, p1), all heads: unnormalised partials for each of the N query
+// rows, acc [N, H] (sum of weight * value), row_max [N] and row_sum [N] (sum of weights).
+// Each page is walked once, key by key, every KV head in turn, so the reads are
+// sequential and each byte of K and V is read once.
+void attend_pages(const float* q, const float* kp, const float* vp, const int32_t* table,
+                  int64_t len, int64_t p0, int64_t p1, const Dims& d, float scale, float* acc,
+                  float* row_max, float* row_sum) {
+  const int64_t n = d.n, g_rows = d.g, h = d.h, bs = d.bs, kv_heads = d.k;
+  std::fill(acc, acc + n * h, 0.0f);
+  std::fill(row_sum, row_sum + n, 0.0f);
+  std::fill(row_max, row_max + n, -std::numeric_limits<float>::infinity());
+  std::vector<float> score(n * bs), qs(n * h);
+  for (int64_t i = 0; i < n * h; ++i) qs[i] = q[i] * scale;
+  for (int64_t p = p0; p < p1; ++p) {
+    const int64_t page = page_index(table[p], d.nb);
+    const int64_t keys = std::min<int64_t>(bs, len - p * bs);
+    const float* k0 = kp + page * bs * kv_heads * h;  // key t, head k at (t * K + k) * H
+    const float* v0 = vp + page * bs * kv_heads * h;
+    for (int64_t t = 0; t < keys; ++t)
+      for (int64_t k = 0; k < kv_heads; ++k) {
+        const float* kr = k0 + (t * kv_heads + k) * h;
+        for (int64_t g = 0; g < g_rows; ++g) {
+          const float* qr = qs.data() + (k * g_rows + g) * h;
+          V16 sum = load16(qr) * load16(kr);
+          for (int64_t i = 16; i < h; i += 16) sum += load16(qr + i) * load16(kr + i);
+          score[(k * g_rows + g) * bs + t] = hsum(sum);
+        }
+      }
+    for (int64_t r = 0; r < n; ++r) {
+      // Online softmax: rescale what came before to the new running maximum.
+      float* s = score.data() + r * bs;
+      float m = p == p0 ? s[0] : row_max[r];
+      for (int64_t t = 0; t < keys; ++t) m = std::max(m, s[t]);
+      const float keep = p == p0 ? 0.0f : fast_exp(row_max[r] - m);
+      float sum = 0.0f;
+      for (int64_t t = 0; t < keys; ++t) {
+        s[t] = fast_exp(s[t] - m);
+        sum += s[t];
+      }
+      row_max[r] = m;
+      row_sum[r] = row_sum[r] * keep + sum;
+      if (keep != 1.0f) {
+        float* a = acc + r * h;
+        for (int64_t i = 0; i < h; ++i) a[i] *= keep;
+      }
+    }
+    for (int64_t t = 0; t < keys; ++t)
+      for (int64_t k = 0; k < kv_heads; ++k) {
+        const float* vr = v0 + (t * kv_heads + k) * h;
+        for (int64_t i = 0; i < h; i += 16) {
+          const V16 v = load16(vr + i);
+          for (int64_t g = 0; g < g_rows; ++g) {
+            float* a = acc + (k * g_rows + g) * h + i;
+            store16(a, load16(a) + score[(k * g_rows + g) * bs + t] * v);
+          }
+        }
+      }
+  }
+}
+
+// Runs fn(0..total-1) on the caller and up to pool.num_threads() - 1 pool tasks.
+template <typename Fn>
+void parallel_for(ffi::ThreadPool& pool, int64_t total, Fn fn) {
+  struct Shared {
+    std::atomic<int64_t> next{0}, done{0};
+    std::mutex mu;
+    std::condition_variable cv;
+  };
+  auto shared = std::make_shared<Shared>();
+  auto work = [shared, total, fn]() {
+    int64_t mine = 0;
+    for (int64_t i; (i = shared->next.fetch_add(1)) < total; ++mine) fn(i);
+    if (mine > 0 && shared->done.fetch_add(mine) + mine == total) {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      shared->cv.notify_all();
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
+}
+
+ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
+                  ffi::Buffer<ffi::F32> v_pages, ffi::Buffer<ffi::S32> tables,
+                  ffi::Buffer<ffi::S32> lens, ffi::ResultBuffer<ffi::F32> out, float scale) {
+  const auto qd = q.dimensions(), pd = k_pages.dimensions(), td = tables.dimensions();
+  if (qd.size() != 3 || pd.size() != 4 || td.size() != 2 || lens.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("paged decode: q [B,N,H], pages [NB,bs,K,H], "
+                                       "tables [B,P], lens [B] expected");
+  Dims d{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], 0, td[1]};
+  if (pd[3] != d.h || d.k <= 0 || d.n % d.k != 0 || td[0] != d.b ||
+      lens.dimensions()[0] != d.b || d.nb <= 0 || d.h % 16 != 0)
+    return ffi::Error::InvalidArgument("paged decode: inconsistent shapes, or head_dim "
+                                       "not a multiple of 16");
+  d.g = d.n / d.k;
+  const float* qp = q.typed_data();
+  const float* kp = k_pages.typed_data();
+  const float* vp = v_pages.typed_data();
+  const int32_t* tp = tables.typed_data();
+  const int32_t* lp = lens.typed_data();
+  float* op = out->typed_data();
+  // Items are (slot, split of its pages): a slot's keys split so that even one slot
+  // keeps every thread busy (flash-decoding); partials are merged below.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t splits = std::clamp<int64_t>((2 * threads + d.b - 1) / d.b, 1, d.p);
+  const int64_t per_split = (d.p + splits - 1) / splits;
+  const int64_t row = d.n * (d.h + 2);  // one partial: acc [N, H], max [N], sum [N]
+  std::vector<float> part(d.b * splits * row);
+  float* pp = part.data();
+  parallel_for(pool, d.b * splits, [=](int64_t item) {
+    const int64_t b = item / splits, split = item % splits;
+    const int64_t used = std::min<int64_t>((std::max<int32_t>(lp[b], 0) + d.bs - 1) / d.bs, d.p);
+    const int64_t p0 = std::min(split * per_split, used), p1 = std::min(p0 + per_split, used);
+    float* acc = pp + item * row;
+    attend_pages(qp + b * d.n * d.h, kp, vp, tp + b * d.p, lp[b], p0, p1, d, scale, acc,
+                 acc + d.n * d.h, acc + d.n * (d.h + 1));
+  });
+  constexpr float kNone = -std::numeric_limits<float>::infinity();  // a split with no keys
+  for (int64_t b = 0; b < d.b; ++b)
+    for (int64_t r = 0; r < d.n; ++r) {
+      float m = kNone;
+      for (int64_t sp = 0; sp < splits; ++sp)
+        m = std::max(m, pp[(b * splits + sp) * row + d.n * d.h + r]);
+      float* o = op + (b * d.n + r) * d.h;
+      std::fill(o, o + d.h, 0.0f);
+      if (m == kNone) continue;  // an empty slot: zeros
+      float total = 0.0f;
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const float* acc = pp + (b * splits + sp) * row;
+        const float mx = acc[d.n * d.h + r];
+        if (mx == kNone) continue;
+        const float w = fast_exp(mx - m);
+        total += w * acc[d.n * (d.h + 1) + r];
+        for (int64_t i = 0; i < d.h; ++i) o[i] += w * acc[r * d.h + i];
+      }
+      const float inv = 1.0f / total;
+      for (int64_t i = 0; i < d.h; ++i) o[i] *= inv;
+    }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdisaggPagedDecodeF32, decode,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k pages
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v pages
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // lengths
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale"));
