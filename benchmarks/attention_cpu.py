@@ -1,6 +1,7 @@
 """Where a CPU decode step's attention time goes, op by op, on SmolLM2's shapes.
 
-    python benchmarks/attention_cpu.py [--repeats 50] [--out benchmarks/results/attention_cpu.json]
+    python benchmarks/attention_cpu.py [--repeats 50] [--rounds 3] [--no-step]
+                                       [--out benchmarks/results/attention_cpu.json]
 
 One layer's decode attention (9 query heads over 3 KV heads of 64, 16-token pages,
 ~528 keys a slot) at B=1 and B=8: the CPU kernel the `cpu` backend serves with
@@ -10,7 +11,11 @@ timed alone as separate programs (the page gather, the QK^T product and the PV
 product), and a copy of the same bytes (what the data alone would cost). It shows
 whether attention is bound by bytes or by per-op costs. The first two alternate over
 `--rounds`; each cell is the median of the rounds' medians.
-Prints a table and writes JSON.
+
+Then the whole served decode step of the real SmolLM2 (fp32, 512 tokens of context a
+slot) with each backend, alternating the two programs within every round, so the
+step-level gain is a ratio measured in one run (`--no-step` skips it).
+Prints tables and writes JSON.
 """
 
 from __future__ import annotations
@@ -68,10 +73,54 @@ def case(b: int, repeats: int, rounds: int) -> dict:
     return out
 
 
+def whole_step(repeats: int, rounds: int) -> dict:
+    """SmolLM2's decode step, B=1 and B=8, served with the `cpu` and `reference`
+    backends over the same pages, alternating; medians of each round's median."""
+    from flax import nnx
+
+    from jaxdisagg.model import KVLayout, jit_serving_fns
+    from jaxdisagg.model.weights import load_model
+
+    model, _ = load_model("smollm2")
+    cfg = model.config
+    graphdef, state = nnx.split(model)
+    fns = {b: jit_serving_fns(graphdef, backend=b) for b in ("cpu", "reference")}
+    context, pages = 512, 512 // BS + 1
+    layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BS)
+    kv = [layout.allocate()]
+    rng = np.random.default_rng(0)
+    tables = rng.permutation(layout.num_blocks)[:8 * pages].reshape(8, pages).astype(np.int32)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, context), jnp.int32)
+    for slot in range(8):  # every slot holds a real 512-token context
+        _, kv[0] = fns["reference"].prefill(state, kv[0], prompt, jnp.int32(0),
+                                            jnp.int32(context), jnp.asarray(tables[slot]))
+    out = {}
+    for b in (1, 8):
+        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, b), jnp.int32)
+        pos = jnp.full((b,), context, jnp.int32)
+        tab = jnp.asarray(tables[:b])
+
+        def step(f, tokens=tokens, pos=pos, tab=tab):
+            logits, kv[0] = f.decode(state, kv[0], tokens, pos, tab, pos + 1)
+            return logits.block_until_ready()
+
+        same = bool((np.asarray(step(fns["cpu"])).argmax(-1)
+                     == np.asarray(step(fns["reference"])).argmax(-1)).all())
+        times = {name: [] for name in fns}
+        for r in range(rounds):
+            for name in (list(fns) if r % 2 == 0 else list(fns)[::-1]):
+                times[name].append(median_seconds(lambda f=fns[name]: step(f), repeats))
+        ratios = [c / r for c, r in zip(times["cpu"], times["reference"], strict=True)]
+        out[str(b)] = {"cpu_s": times["cpu"], "reference_s": times["reference"],
+                       "ratios": ratios, "same_argmax": same}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--no-step", action="store_true", help="skip the whole-step comparison")
     p.add_argument("--out", default="benchmarks/results/attention_cpu.json")
     args = p.parse_args(argv)
     res = {b: case(b, args.repeats, args.rounds) for b in (1, 8)}
@@ -90,9 +139,21 @@ def main(argv=None) -> int:
                   f"{2 * r['macs'] / t / 1e9:.1f} GFLOP/s; x30 layers = {30 * t * 1e3:.1f} ms")
         ratio = r["jnp reference"] / r["cpu kernel (as served)"]
         print(f"B={b}: the kernel is {ratio:.1f}x faster than the reference")
+    step = {} if args.no_step else whole_step(15, 2 * args.rounds)
+    if step:
+        print("\nSmolLM2 decode step, fp32, 512 tokens of context, ms: median [range] of "
+              f"{2 * args.rounds} alternated rounds")
+        for b, r in step.items():
+            med = {k: float(np.median(r[k])) * 1e3 for k in ("cpu_s", "reference_s")}
+            print(f"B={b}: cpu {med['cpu_s']:.1f} [{min(r['cpu_s']) * 1e3:.1f}-"
+                  f"{max(r['cpu_s']) * 1e3:.1f}], reference {med['reference_s']:.1f} "
+                  f"[{min(r['reference_s']) * 1e3:.1f}-{max(r['reference_s']) * 1e3:.1f}], "
+                  f"cpu / reference {np.median(r['ratios']):.2f} [{min(r['ratios']):.2f}-"
+                  f"{max(r['ratios']):.2f}], same argmax: {r['same_argmax']}")
     write_result(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(),
                             "cores": os.cpu_count(), "jax": jax.__version__,
-                            "results": {str(b): r for b, r in res.items()}})
+                            "results": {str(b): r for b, r in res.items()},
+                            "whole_step": step})
     return 0
 
 

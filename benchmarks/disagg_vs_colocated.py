@@ -212,9 +212,11 @@ def probe(address: str, slots: int) -> dict:
     a lone request and of a full batch of short requests. `simulated` charges the
     gaps' excess over the calibrated steps to host time per decode iteration and per
     token emitted (detokenizing, streaming: other threads on the instance's cores),
-    and the TTFT excess, linear in the prompt's length, to the front end (its fixed
-    part) and, disaggregated, to the cross-process KV pull (its part per token: the
-    decode thread pulls, so the batch waits for all of it)."""
+    and the TTFT excess to the front end and, disaggregated, to the cross-process KV
+    pull (the decode thread pulls, so the batch waits for all of it). The pull's cost
+    per prompt token is the growth, from the short probe to the long one, of the
+    transfer stage in the server's own timeline of each request; the front end takes
+    the rest of the short probe's excess."""
     target = bench.ServerTarget(address)
 
     stages = {}
@@ -366,15 +368,28 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token)
         excess_long = pr["idle_ttft_s"] - long_ttft
         admit = pull = 0.0
+        stage = pr.get("stages_s", {})
+        pull_from = None
         if "short_ttft_s" in pr:  # TTFT excess = front end + (disaggregated) pull per token
             excess_short = pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token)
-            if name == "disaggregated":
+            if name == "disaggregated" and all(f"{n}_transfer" in stage
+                                               for n in (PROBE_PROMPT, PROBE_SHORT)):
+                # The server's own record of the transfer stage: its growth with the
+                # prompt is the pull's cost per token. The TTFT slope would also take in
+                # any drift of the machine between the probes.
+                slope = ((stage[f"{PROBE_PROMPT}_transfer"] - stage[f"{PROBE_SHORT}_transfer"])
+                         / (PROBE_PROMPT - PROBE_SHORT))
+                pull = max(0.0, slope - m.kv_bytes_per_token / rl.FABRICS["loopback"])
+                pull_from = "stage timeline"
+            elif name == "disaggregated":
                 pull = max(0.0, (excess_long - excess_short) / (PROBE_PROMPT - PROBE_SHORT))
+                pull_from = "TTFT slope"
             admit = max(0.0, excess_short - PROBE_SHORT * pull)
         elif name == "disaggregated":  # an older probe: all of it in the pull
             pull = max(0.0, excess_long) / PROBE_PROMPT
         overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
-                           "pull_s_per_token": pull, "calibrated_itl_s": itl_batch,
+                           "pull_s_per_token": pull, "pull_from": pull_from,
+                           "calibrated_itl_s": itl_batch,
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
                            "contended": contended if name == "disaggregated" else {}}
@@ -538,7 +553,9 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
                  f"emitted, {o.get('admit_s', 0) * ms:.1f} ms in the front end"
                  + (f" and {o['pull_s_per_token'] * 1e6:.0f} us per prompt token of KV pull "
-                    "beyond the fabric table's bandwidth" if "pull_s_per_token" in o else
+                    "beyond the fabric table's bandwidth"
+                    + (f" (from the {o['pull_from']})" if o.get("pull_from") else "")
+                    if "pull_s_per_token" in o else
                     f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"
                     if name == "disaggregated" else ""))
     return ", ".join(parts)
