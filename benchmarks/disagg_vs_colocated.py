@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -123,7 +124,25 @@ def start(*args) -> tuple[subprocess.Popen, str]:
     if not line.startswith("READY"):
         proc.kill()
         raise RuntimeError(f"{args[0]} did not start: {line!r}")
+    proc.ready_line = line
     return proc, (line.split() + [""])[1]
+
+
+def decode_core_pids(proc) -> list[int]:
+    """The processes that share the decode instance's cores: launch's decode and router
+    processes (pinned to one core together), or the one colocated serve process."""
+    named = dict((n, int(p)) for n, p in re.findall(r"(\w+) pid (\d+)", proc.ready_line))
+    return [named[n] for n in ("decode", "router") if n in named] or [proc.pid]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time so far of these processes, all their threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
 
 
 def stop(proc) -> None:
@@ -205,7 +224,7 @@ PROBE_PROMPT = 512
 PROBE_SHORT = 16
 
 
-def probe(address: str, slots: int) -> dict:
+def probe(address: str, slots: int, pids: list[int] | None = None) -> dict:
     """The served system's overheads, measured before the experiment (its only input
     to the simulator besides the step calibration): a lone request's TTFT at a short
     and a long prompt (PROBE_SHORT, PROBE_PROMPT tokens), and the inter-token gap of
@@ -215,8 +234,13 @@ def probe(address: str, slots: int) -> dict:
     and the TTFT excess to the front end and, disaggregated, to the cross-process KV
     pull (the decode thread pulls, so the batch waits for all of it). The pull's cost
     per prompt token is the growth, from the short probe to the long one, of the
-    transfer stage in the server's own timeline of each request; the front end takes
-    the rest of the short probe's excess."""
+    pull stage (on the decode thread) in the server's own timeline of each request, and
+    its fixed part what is left at the short prompt; the rest of the transfer stage is
+    the handoff (the offer's way to the decode process, which stalls nobody); the front
+    end takes the rest of the short probe's excess. With `pids` (the processes on the
+    decode instance's cores), the CPU time they spend per lone short request is
+    recorded too: what each request's front end, handoff and pull take from the cores
+    the decode steps run on."""
     target = bench.ServerTarget(address)
 
     stages = {}
@@ -238,12 +262,34 @@ def probe(address: str, slots: int) -> dict:
         return statistics.median(g for r in bench.run(target, wl) for g in r.itl[8:56])
 
     try:
-        out = {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT),
-               "lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots}
+        out = {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT)}
+        if pids:
+            out.update(request_cpu(target, pids))
+        out.update({"lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots})
         out["stages_s"] = {k: statistics.median(v) for k, v in stages.items()}
         return out
     finally:
         target.client.close()
+
+
+def request_cpu(target, pids: list[int], n: int = 30) -> dict:
+    """CPU time the processes spend per lone short request (PROBE_SHORT tokens in, 2
+    out), warm, less what they burn idle over the same time. The kernel counts CPU in
+    10 ms ticks, hence n requests."""
+    def lone(seed):
+        prompt = np.random.default_rng(100 + seed).integers(3, 250, PROBE_SHORT).tolist()
+        target.run_one(prompt, 2, bench.Record(PROBE_SHORT, 0.0))
+
+    lone(0)  # anything a first request of this shape still sets up
+    t0, c0 = time.perf_counter(), cpu_seconds(pids)
+    time.sleep(2.0)
+    idle = (cpu_seconds(pids) - c0) / (time.perf_counter() - t0)
+    t0, c0 = time.perf_counter(), cpu_seconds(pids)
+    for seed in range(n):
+        lone(seed + 1)
+    wall = time.perf_counter() - t0
+    return {"short_cpu_s": (cpu_seconds(pids) - c0 - idle * wall) / n,
+            "short_wall_s": wall / n, "idle_cpu_share": idle}
 
 
 def reprobe(model: str, kind: str) -> None:
@@ -259,7 +305,7 @@ def reprobe(model: str, kind: str) -> None:
             ("colocated", ("serve", "--config", colocated), raw["best"][1])):
         proc, address = start(*args, "--port", "0")
         try:
-            probes[name] = probe(address, slots)
+            probes[name] = probe(address, slots, decode_core_pids(proc))
         finally:
             stop(proc)
     log(f"probes: {probes}")
@@ -339,13 +385,16 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
     for name, cfg in configs.items():
-        def system(it=0.0, token=0.0, admit=0.0, pull=0.0, cfg=cfg):
+        def system(it=0.0, token=0.0, admit=0.0, pull=0.0, base=0.0, handoff=0.0, req=0.0,
+                   cfg=cfg):
             # pull: the cross-process pull's time per prompt token beyond the fabric
-            # table's bandwidth (the decode thread waits for all of it)
+            # table's bandwidth, and base its fixed part (the decode thread waits for
+            # both); handoff: the offer's way to the decode process (delays only it)
             per_token = m.kv_bytes_per_token / rl.FABRICS["loopback"] + pull
             transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
-                                    blocking=True)
-            return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended)
+                                    base_s=base, blocking=True, latency_s=handoff)
+            return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended,
+                                          req)
 
         def gap(n, **kw):
             batch = [(0.0, 16, 64)] * n
@@ -365,30 +414,45 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             it = max(0.0, excess_lone - token)
         else:  # an older probe: all of it per token
             token, it = max(0.0, excess_batch) / slots, 0.0
-        long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token)
-        excess_long = pr["idle_ttft_s"] - long_ttft
-        admit = pull = 0.0
         stage = pr.get("stages_s", {})
+        req = 0.0
+        if name == "disaggregated" and "short_cpu_s" in pr:
+            # CPU the decode core's processes spent per lone short request, less what the
+            # model charges there already: its one decode step with that step's host
+            # time, and its pull. (Colocated, the same processes also run the request's
+            # prefill on both cores, so the remainder cannot be told apart this way.)
+            req = max(0.0, pr["short_cpu_s"] - itl_lone - it - 2 * token
+                      - stage.get(f"{PROBE_SHORT}_pull", 0.0))
+        long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token, req=req)
+        excess_long = pr["idle_ttft_s"] - long_ttft
+        admit = pull = base = handoff = 0.0
         pull_from = None
-        if "short_ttft_s" in pr:  # TTFT excess = front end + (disaggregated) pull per token
-            excess_short = pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token)
-            if name == "disaggregated" and all(f"{n}_transfer" in stage
-                                               for n in (PROBE_PROMPT, PROBE_SHORT)):
-                # The server's own record of the transfer stage: its growth with the
-                # prompt is the pull's cost per token. The TTFT slope would also take in
-                # any drift of the machine between the probes.
-                slope = ((stage[f"{PROBE_PROMPT}_transfer"] - stage[f"{PROBE_SHORT}_transfer"])
-                         / (PROBE_PROMPT - PROBE_SHORT))
+        if "short_ttft_s" in pr:  # TTFT excess = front end + (disaggregated) the handoff
+            excess_short = pr["short_ttft_s"] - lone_ttft(PROBE_SHORT, it=it, token=token,
+                                                          req=req)
+            short, long_ = PROBE_SHORT, PROBE_PROMPT
+            if name == "disaggregated" and all(f"{n}_{k}" in stage for n in (short, long_)
+                                               for k in ("pull", "transfer")):
+                # The server's own timeline: the pull (on the decode thread) at two
+                # prompt lengths gives its cost per token and its fixed part; the rest
+                # of the transfer stage is the offer's way there. TTFTs alone would
+                # also take in any drift of the machine between the probes.
+                slope = (stage[f"{long_}_pull"] - stage[f"{short}_pull"]) / (long_ - short)
+                base = max(0.0, stage[f"{short}_pull"] - short * slope)
                 pull = max(0.0, slope - m.kv_bytes_per_token / rl.FABRICS["loopback"])
+                handoff = max(0.0, statistics.median(
+                    stage[f"{n}_transfer"] - stage[f"{n}_pull"] for n in (short, long_)))
                 pull_from = "stage timeline"
             elif name == "disaggregated":
-                pull = max(0.0, (excess_long - excess_short) / (PROBE_PROMPT - PROBE_SHORT))
+                pull = max(0.0, (excess_long - excess_short) / (long_ - short))
                 pull_from = "TTFT slope"
-            admit = max(0.0, excess_short - PROBE_SHORT * pull)
+            admit = max(0.0, excess_short - short * pull - base - handoff)
         elif name == "disaggregated":  # an older probe: all of it in the pull
             pull = max(0.0, excess_long) / PROBE_PROMPT
         overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
-                           "pull_s_per_token": pull, "pull_from": pull_from,
+                           "pull_s_per_token": pull, "pull_base_s": base,
+                           "handoff_s": handoff, "pull_from": pull_from,
+                           "request_s": req,
                            "calibrated_itl_s": itl_batch,
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
@@ -398,7 +462,8 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             run = {}
             for k, rate in enumerate(rates):
                 wl = workload(spec, rate_seed(seed, k), rate)
-                records = sim.simulate(system(it, token, admit, pull), sim.plan_of(wl))
+                records = sim.simulate(system(it, token, admit, pull, base, handoff, req),
+                                       sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
             runs.append(run)
@@ -439,7 +504,8 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     seeds = list(range(repeats))
     try:
         slots = load_config(str(ROOT / disagg)).decode.max_slots
-        probes = {"disaggregated": probe(d_addr, slots), "colocated": probe(c_addr, best[1])}
+        probes = {"disaggregated": probe(d_addr, slots, decode_core_pids(launch)),
+                  "colocated": probe(c_addr, best[1], decode_core_pids(serve))}
         log(f"probes: {probes}")
         for seed in seeds:
             order = [("disaggregated", d_addr), ("colocated", c_addr)]
@@ -548,12 +614,23 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                      + ", ".join(f"{k.split('_', 1)[1]} {v * ms:.1f} ms"
                                  for k, v in pr["stages_s"].items()
                                  if k.startswith(f"{PROBE_PROMPT}_")) + ")")
+    if "short_cpu_s" in pr:
+        parts.append(f"the processes on the decode core spent {pr['short_cpu_s'] * ms:.1f} "
+                     f"ms of CPU per lone {PROBE_SHORT}-token request, "
+                     f"{o.get('request_s', 0) * ms:.1f} ms of it beyond the decode step and "
+                     "pull (charged to the decode loop per admission)"
+                     if name == "disaggregated" else
+                     f"the serve process spent {pr['short_cpu_s'] * ms:.1f} ms of CPU per lone "
+                     f"{PROBE_SHORT}-token request (prefill included; not charged)")
     parts.append(f"a full batch's {pr['batch_itl_s'] * ms:.2f} ms (steps alone "
                  f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
                  f"emitted, {o.get('admit_s', 0) * ms:.1f} ms in the front end"
                  + (f" and {o['pull_s_per_token'] * 1e6:.0f} us per prompt token of KV pull "
                     "beyond the fabric table's bandwidth"
+                    + (f", {o['pull_base_s'] * ms:.1f} ms fixed per pull (both on the decode "
+                       f"thread), {o['handoff_s'] * ms:.1f} ms handoff"
+                       if o.get("pull_from") == "stage timeline" else "")
                     + (f" (from the {o['pull_from']})" if o.get("pull_from") else "")
                     if "pull_s_per_token" in o else
                     f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"

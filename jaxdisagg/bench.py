@@ -91,7 +91,8 @@ class Record:
     ttft: float | None = None
     itl: list[float] = field(default_factory=list)
     e2e: float | None = None
-    stages: dict[str, float] = field(default_factory=dict)  # queue, prefill, transfer, decode
+    # queue, prefill, transfer (of which pull: on the decode thread), decode
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def tpot(self) -> float | None:
@@ -109,6 +110,8 @@ def stages(timeline: dict[str, float]) -> dict[str, float]:
         out["prefill"] = t["prefill_end"] - t["prefill_start"]
     if "prefill_end" in t and "decode_insert" in t:
         out["transfer"] = t["decode_insert"] - t["prefill_end"]  # + waiting for a slot
+    if "pull_start" in t and "transfer_end" in t:  # the decode thread's own share of it
+        out["pull"] = t["transfer_end"] - t["pull_start"]
     if "decode_insert" in t and "finish" in t:
         out["decode"] = t["finish"] - t["decode_insert"]
     return out

@@ -207,6 +207,10 @@ class System:
     # The front end's time before a request reaches the pools (RPCs, routing): it
     # delays the request and occupies no pool.
     admit_s: float = 0.0
+    # Host CPU time per request on the decode instance's cores (its front end, handoff
+    # and pull, where they run beside the decode loop, as `launch` pins the router with
+    # the decode pool): each admission holds the decode loop that long.
+    request_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -383,6 +387,7 @@ class _DecodeInst(_Inst):
             elif r.transferred:
                 t = max(t, r.transfer_ready)
             self.ready.popleft()
+            t += self.sim.s.request_s
             r.marks["decode_insert"] = t
             r.first = t  # the first token surfaces on admission
             r.joined = len(self.steps)
@@ -534,7 +539,8 @@ def capacity(system: System, prompt: float, output: float) -> float:
 
 def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None = None,
                        iteration_s: float = 0.0, token_s: float = 0.0, admit_s: float = 0.0,
-                       contended: dict[str, float] | None = None) -> System:
+                       contended: dict[str, float] | None = None,
+                       request_s: float = 0.0) -> System:
     """The System a DeploymentConfig serves: its pools' instances, chunk sizes, slots
     and tp, its router's handoff queue and local-prefill threshold. `costs` (and
     optionally `contended`) per pool name; `transfer` defaults to the fabric table
@@ -552,12 +558,12 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,
                       handoff_queue=cfg.router.handoff_queue, token_s=token_s,
-                      admit_s=admit_s)
+                      admit_s=admit_s, request_s=request_s)
     if transfer is None:
         raise ValueError("a disaggregated system needs its KV transfer's cost")
     return System("disaggregated", spec("decode"), spec("prefill"), transfer,
                   cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s,
-                  token_s, admit_s)
+                  token_s, admit_s, request_s)
 
 
 # ---------------------------------------------------------------------- calibration files

@@ -310,8 +310,8 @@ def test_timeline_is_ordered_and_metrics_add_up(deployments):
     results = run(engine, [(0, p, SamplingParams(max_tokens=4)) for p in prompts(14, (90, 20))])
     for r in results:
         t = r.timeline
-        assert (t["arrival"] <= t["prefill_start"] <= t["prefill_end"] <= t["transfer_end"]
-                <= t["decode_insert"] <= t["finish"])
+        assert (t["arrival"] <= t["prefill_start"] <= t["prefill_end"] <= t["pull_start"]
+                <= t["transfer_end"] <= t["decode_insert"] <= t["finish"])
         assert t["transfer_start"] <= t["prefill_end"]  # layer streaming: KV left early
         assert r.ttft_s == pytest.approx(t["first_token"], abs=1e-6)
     m = engine.metrics()

@@ -47,8 +47,10 @@ from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
 log = logging.getLogger(__name__)
 
 # Lifecycle marks, in the order a disaggregated request passes them.
-STAGES = ("arrival", "prefill_start", "prefill_end", "transfer_start", "transfer_end",
-          "transfer_failed", "decode_insert", "first_token", "finish")
+# pull_start: the decode thread starts landing the KV (a cross-process pull runs on that
+# thread, so pull_start .. transfer_end is time the decode batch waits too).
+STAGES = ("arrival", "prefill_start", "prefill_end", "transfer_start", "pull_start",
+          "transfer_end", "transfer_failed", "decode_insert", "first_token", "finish")
 
 
 class QueueFull(RuntimeError):

@@ -340,6 +340,7 @@ class DecodeWorker(_Worker):
                     return  # the KV stays staged on our devices until blocks free up
                 try:
                     failpoint("transfer.insert", job.request_id)
+                    self.listener.mark(job.request_id, "pull_start")
                     # In-process tickets are arrays already moving; cross-process ones
                     # are offers that `insert` pulls (under its watchdog).
                     jax.block_until_ready([t.pages for t in h.tickets if hasattr(t, "pages")])
