@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxdisagg.bench import SLO, Lengths, Record, Workload, goodput_rate, summarize
+from jaxdisagg.bench import SLO, Lengths, Record, Workload, goodput_rate, stages, summarize
 
 SCRIPT = Path(sys.executable).parent / "jaxdisagg"
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,6 +26,16 @@ def test_lengths_parse_and_draw():
     for bad in ("fixed", "fixed:-3", "poisson:4", "uniform:1", "fixed:x"):
         with pytest.raises(ValueError, match="--len"):
             Lengths.parse(bad, "--len")
+
+
+def test_stages_split_the_transfer_into_handoff_and_the_decode_threads_pull():
+    t = {"arrival": 0.0, "prefill_start": 0.01, "prefill_end": 0.05, "transfer_start": 0.052,
+         "pull_start": 0.056, "transfer_end": 0.058, "decode_insert": 0.059, "finish": 0.2}
+    got = stages(t)
+    assert got == pytest.approx({"queue": 0.01, "prefill": 0.04, "transfer": 0.009,
+                                 "pull": 0.002, "decode": 0.141})
+    del t["pull_start"]  # an older server, or an in-process run without a pull
+    assert "pull" not in stages(t)
 
 
 def test_workload_is_reproducible_with_poisson_and_bursty_arrivals():

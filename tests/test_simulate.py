@@ -81,6 +81,23 @@ def test_front_end_time_delays_each_request_and_occupies_no_pool():
         assert with_.itl == pytest.approx(without.itl)
 
 
+def test_request_host_time_holds_the_decode_loop_once_per_admission():
+    """Per-request CPU on the decode instance's cores (`request_s`): a lone request's
+    TTFT grows by it, and a request already decoding sees one gap of a step plus it
+    when another is admitted, and plain steps otherwise."""
+    d, req = 0.004, 0.020
+    base = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)))
+    system = dataclasses.replace(base, request_s=req)
+    (alone,) = sim.simulate(system, [(0.0, 16, 5)])
+    (plain,) = sim.simulate(base, [(0.0, 16, 5)])
+    assert alone.ttft == pytest.approx(plain.ttft + req)
+    assert alone.itl == pytest.approx([d] * 4)
+    first, second = sim.simulate(system, [(0.0, 16, 40), (0.050, 16, 2)])
+    assert max(first.itl) == pytest.approx(d + req, rel=1e-6)
+    assert sorted(first.itl)[-2] == pytest.approx(d)
+    assert sum(first.itl) == pytest.approx(39 * d + req)
+
+
 def test_contention_slows_a_pool_only_while_the_other_phase_works():
     """The decode step costs `contended` times more exactly while a prefill runs: a
     request decoding alone sees plain steps; one decoding while another's 0.100 s
