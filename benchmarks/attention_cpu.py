@@ -29,7 +29,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import median_seconds, write_result
+from common import median_seconds, shuffled_cache, write_result
 
 from jaxdisagg.pallas.cpu import paged_decode_attention_cpu
 from jaxdisagg.pallas.reference import decode_attention_ref, gather_pages
@@ -78,25 +78,20 @@ def whole_step(repeats: int, rounds: int) -> dict:
     backends over the same pages, alternating; medians of each round's median."""
     from flax import nnx
 
-    from jaxdisagg.model import KVLayout, jit_serving_fns
+    from jaxdisagg.model import jit_serving_fns
     from jaxdisagg.model.weights import load_model
 
     model, _ = load_model("smollm2")
-    cfg = model.config
     graphdef, state = nnx.split(model)
     fns = {b: jit_serving_fns(graphdef, backend=b) for b in ("cpu", "reference")}
-    context, pages = 512, 512 // BS + 1
-    layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BS)
-    kv = [layout.allocate()]
-    rng = np.random.default_rng(0)
-    tables = rng.permutation(layout.num_blocks)[:8 * pages].reshape(8, pages).astype(np.int32)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, context), jnp.int32)
+    context = 512
+    kv, tables, prompt, rng = shuffled_cache(model.config, context, BS, 1)
     for slot in range(8):  # every slot holds a real 512-token context
         _, kv[0] = fns["reference"].prefill(state, kv[0], prompt, jnp.int32(0),
                                             jnp.int32(context), jnp.asarray(tables[slot]))
     out = {}
     for b in (1, 8):
-        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, b), jnp.int32)
+        tokens = jnp.asarray(rng.integers(0, model.config.vocab_size, b), jnp.int32)
         pos = jnp.full((b,), context, jnp.int32)
         tab = jnp.asarray(tables[:b])
 

@@ -25,10 +25,10 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import median_seconds, write_result
+from common import median_seconds, shuffled_cache, write_result
 from flax import nnx
 
-from jaxdisagg.model import KVLayout, jit_serving_fns
+from jaxdisagg.model import jit_serving_fns
 from jaxdisagg.model.weights import cast_model, load_model
 
 CONTEXT = 512
@@ -77,12 +77,7 @@ def ours(model, repeats: int) -> dict:
     cfg = model.config
     graphdef, state = nnx.split(model)
     fns = jit_serving_fns(graphdef, backend="auto")  # as served
-    pages = CONTEXT // BLOCK + 8  # room for the decoded tokens
-    layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BLOCK)
-    kv = [layout.allocate()]
-    rng = np.random.default_rng(0)
-    tables = rng.permutation(layout.num_blocks)[: 8 * pages].reshape(8, pages).astype(np.int32)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, CONTEXT), jnp.int32)
+    kv, tables, prompt, rng = shuffled_cache(cfg, CONTEXT, BLOCK, 8)  # 8: decoded tokens
 
     def prefill(slot=0):
         logits, kv[0] = fns.prefill(state, kv[0], prompt, jnp.int32(0), jnp.int32(CONTEXT),
