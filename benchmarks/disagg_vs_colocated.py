@@ -152,6 +152,8 @@ def stop(proc) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
 
+POOLS = ("prefill", "decode", "colocated")
+
 
 def _calibrate_one(path: Path, config: str, pool: str, cores: str | None) -> None:
     args = ["simulate", "--calibrate", str(path), "--config", config, "--pools", pool]
@@ -164,17 +166,25 @@ def _calibrate_one(path: Path, config: str, pool: str, cores: str | None) -> Non
         raise RuntimeError(f"calibrating {path.name} failed: {done.stderr[-2000:]}")
 
 
-def calibrate(model: str, kind: str, disagg: str, colocated: str) -> dict[str, str]:
+def calibrate(model: str, kind: str, disagg: str, colocated: str,
+              names=POOLS) -> dict[str, str]:
     """Calibration files per deployment: the pinned pools one per core, the colocated
     pool unpinned. Each disaggregated pool is measured twice: alone, and while the
     other pool runs its heaviest program on the other core (`simulate --busy`), for
-    the slowdown that sharing the memory bus and cache costs (`PoolSpec.contended`)."""
+    the slowdown that sharing the memory bus and cache costs (`PoolSpec.contended`).
+    Pools not in `names` keep their files from the last calibration."""
     out = {}
     jobs = [("prefill", disagg, "prefill", "0", "decode"),
             ("decode", disagg, "decode", "1", "prefill"),
             ("colocated", colocated, "colocated", None, None)]
     for name, config, pool, cores, neighbour in jobs:
         path = RESULTS / f"calibration_{model}_{kind}_{name}.json"
+        if name not in names:
+            out[name] = str(path)
+            loaded = RESULTS / f"calibration_{model}_{kind}_{name}_loaded.json"
+            if neighbour is not None and loaded.exists():
+                out[f"{name}_loaded"] = str(loaded)
+            continue
         log(f"calibrating {name}")
         _calibrate_one(path, config, pool, cores)
         out[name] = str(path)
@@ -381,6 +391,10 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         if not key.endswith("_loaded"):
             costs.update(sim.load_calibration(path)[0])
     contended = _contention(calib)
+    # The colocated pool's CPU per wall second of a lone request's programs (older
+    # calibration files lack it: no per-request charge then).
+    cpu_shares = {key: json.loads(Path(path).read_text())["pools"][key]["points"]
+                  .get("cpu_share") for key, path in calib.items() if key == "colocated"}
     configs = {"disaggregated": load_config(str(ROOT / disagg_path)),
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
@@ -416,13 +430,21 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             token, it = max(0.0, excess_batch) / slots, 0.0
         stage = pr.get("stages_s", {})
         req = 0.0
+        share = cpu_shares.get(name)
         if name == "disaggregated" and "short_cpu_s" in pr:
             # CPU the decode core's processes spent per lone short request, less what the
             # model charges there already: its one decode step with that step's host
-            # time, and its pull. (Colocated, the same processes also run the request's
-            # prefill on both cores, so the remainder cannot be told apart this way.)
+            # time, and its pull.
             req = max(0.0, pr["short_cpu_s"] - itl_lone - it - 2 * token
                       - stage.get(f"{PROBE_SHORT}_pull", 0.0))
+        elif "short_cpu_s" in pr and share:
+            # Colocated, the same process also runs the request's prefill, and XLA's
+            # threads may spread the model's work over both cores: its programs' CPU
+            # is their simulated time times their measured CPU share (calibration).
+            chunk = sim.fit(PROBE_SHORT, sim.buckets(cfg.colocated.chunk_size))
+            model_cpu = (share["prefill"] * costs[name].prefill_s(chunk, 0)
+                         + share["decode"] * itl_lone)
+            req = max(0.0, pr["short_cpu_s"] - model_cpu - it - 2 * token)
         long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token, req=req)
         excess_long = pr["idle_ttft_s"] - long_ttft
         admit = pull = base = handoff = 0.0
@@ -452,7 +474,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
                            "pull_s_per_token": pull, "pull_base_s": base,
                            "handoff_s": handoff, "pull_from": pull_from,
-                           "request_s": req,
+                           "request_s": req, "cpu_share": share,
                            "calibrated_itl_s": itl_batch,
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
@@ -523,12 +545,13 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     return analyse(model, kind)
 
 
-def recalibrate(model: str, kind: str) -> None:
+def recalibrate(model: str, kind: str, names=POOLS) -> None:
     """New calibration files for saved runs (the deployments as they were measured)."""
     path = RESULTS / f"goodput_{model}_{kind}.runs.json"
     raw = json.loads(path.read_text())
     disagg = EXPERIMENTS[model]["config"]
-    raw["calibration"] = calibrate(model, kind, disagg, colocated_config(disagg, *raw["best"]))
+    raw["calibration"] = calibrate(model, kind, disagg, colocated_config(disagg, *raw["best"]),
+                                   names)
     path.write_text(json.dumps(raw))
 
 
@@ -621,7 +644,12 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                      "pull (charged to the decode loop per admission)"
                      if name == "disaggregated" else
                      f"the serve process spent {pr['short_cpu_s'] * ms:.1f} ms of CPU per lone "
-                     f"{PROBE_SHORT}-token request (prefill included; not charged)")
+                     f"{PROBE_SHORT}-token request"
+                     + (f"; its programs take {sh['prefill']:.2f} (prefill) and "
+                        f"{sh['decode']:.2f} (decode) CPU seconds per second (calibrated), so "
+                        f"{o.get('request_s', 0) * ms:.1f} ms of it is beyond the model's work "
+                        "(charged to the engine loop per admission)"
+                        if (sh := o.get("cpu_share")) else " (prefill included; not charged)"))
     parts.append(f"a full batch's {pr['batch_itl_s'] * ms:.2f} ms (steps alone "
                  f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
@@ -732,13 +760,15 @@ def main() -> int:
                    help="with --analyse: probe both deployments' overheads again first")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --analyse: measure the step costs again first")
+    p.add_argument("--pools", nargs="+", choices=POOLS, default=POOLS,
+                   help="with --recalibrate: only these pools")
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     if not args.report:
         kinds = ("long", "short") if args.workload == "both" else (args.workload,)
         for kind in kinds:
             if args.analyse and args.recalibrate:
-                recalibrate(args.model, kind)
+                recalibrate(args.model, kind, tuple(args.pools))
             if args.analyse and args.reprobe:
                 reprobe(args.model, kind)
             res = (analyse(args.model, kind) if args.analyse else

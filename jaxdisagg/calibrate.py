@@ -37,14 +37,29 @@ def _tables(inst) -> tuple[np.ndarray, np.ndarray]:
     return one, full
 
 
-def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
-    """(tokens, prefix, s) prefill points and (active, width tokens, s) decode points."""
+def cpu_share(fn, seconds: float = 0.5) -> float:
+    """CPU seconds this process spends per wall second while fn() runs back to back
+    (all its threads: XLA's intra-op pool makes it more than 1 on several cores)."""
+    import time
+
+    fn()
+    wall0, cpu0, calls = time.perf_counter(), time.process_time(), 0
+    while calls < 3 or time.perf_counter() - wall0 < seconds:
+        fn()
+        calls += 1
+    return (time.process_time() - cpu0) / (time.perf_counter() - wall0)
+
+
+def measure_pool(inst, repeats: int = 5) -> tuple[list, list, dict]:
+    """(tokens, prefix, s) prefill points, (active, width tokens, s) decode points, and
+    the CPU share of a lone request's programs (its smallest chunk, a one-row step):
+    what a request's model work costs in CPU time beside its wall time."""
     from jaxdisagg.model.sampling import SamplingParams, row_params, sample_rows
 
     bs = inst.layout.block_size
     reach = inst.max_pages * bs
     table, full = _tables(inst)
-    prefill = []
+    prefill, shares = [], {}
     for bucket in inst.chunk_buckets:
         for prefix in sorted({0, max(0, min(reach - bucket, reach // 2) // bs * bs)}):
             tokens = np.ones(bucket, np.int32)
@@ -54,6 +69,8 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
                 sample_rows(logits[None], [SamplingParams()], [0])
 
             prefill.append((bucket, prefix, median_seconds(chunk, repeats)))
+            if bucket == inst.chunk_buckets[0] and prefix == 0:
+                shares["prefill"] = cpu_share(chunk)
     slots = inst.pool.max_slots
     decode = []
     if inst.name != "prefill":  # a prefill pool never decodes
@@ -74,7 +91,9 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list]:
                     np.asarray(new), np.asarray(logprobs)
 
                 decode.append((active, width * bs, median_seconds(step, repeats)))
-    return prefill, decode
+                if active == 1 and width == inst.table_widths[0]:
+                    shares["decode"] = cpu_share(step)
+    return prefill, decode, shares
 
 
 def busy(config, pool: str, limit_s: float = 1800.0, ready=None) -> None:
@@ -133,8 +152,8 @@ def calibrate(config, pools=None, repeats: int = 5) -> dict[str, tuple]:
     for name in pools or list(cfg.pools()):
         role = name if cfg.mode == "disaggregated" else None
         inst = Deployment.build(cfg, role=role).pools[name][0]
-        prefill, decode = measure_pool(inst, repeats)
+        prefill, decode, shares = measure_pool(inst, repeats)
         widths = [w * inst.layout.block_size for w in inst.table_widths]
         costs = sim.fit_costs(prefill, decode or [(1, widths[0], 0.0)], widths, name)
-        out[name] = (costs, {"prefill": prefill, "decode": decode})
+        out[name] = (costs, {"prefill": prefill, "decode": decode, "cpu_share": shares})
     return out

@@ -3,6 +3,7 @@ against an exhaustive search."""
 
 import dataclasses
 import json
+import os
 import statistics
 
 import numpy as np
@@ -252,6 +253,21 @@ def test_cli_simulates_a_config_on_the_roofline_and_plans(tmp_path, capsys):
     assert "--hardware" in capsys.readouterr().err
 
 
+def test_cpu_share_counts_this_process_cpu_per_wall_second():
+    """Busy Python code takes about one core; a function that sleeps takes next to none."""
+    import time
+
+    from jaxdisagg.calibrate import cpu_share
+
+    def spin(until=0.01):
+        t = time.perf_counter()
+        while time.perf_counter() - t < until:
+            pass
+
+    assert cpu_share(lambda: time.sleep(0.01), seconds=0.2) < 0.2
+    assert 0.3 < cpu_share(spin, seconds=0.2) < 1.3
+
+
 def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys):
     """`simulate --calibrate` fits a served pool's own step times; `simulate --busy`
     keeps a pool's program running (the load a neighbour is calibrated under) until
@@ -273,6 +289,9 @@ def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys)
     small, full = fitted["decode"].decode_s(1, 16, 16), fitted["decode"].decode_s(8, 8 * 16, 16)
     assert 0 < small <= full  # more rows never cost less: coefficients kept >= 0
     assert len(points) == 3 * len(widths)  # 1, half and all slots at every width
+    share = json.loads(out.read_text())["pools"]["decode"]["points"]["cpu_share"]
+    assert set(share) == {"prefill", "decode"}  # a lone request's chunk and step
+    assert all(0 < v <= os.cpu_count() + 0.5 for v in share.values())
 
     proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "simulate", "--config",
                              "configs/cpu-2proc.yaml", "--busy", "prefill"],
