@@ -152,6 +152,7 @@ def stop(proc) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
 
+
 POOLS = ("prefill", "decode", "colocated")
 
 
@@ -393,8 +394,8 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
     contended = _contention(calib)
     # The colocated pool's CPU per wall second of a lone request's programs (older
     # calibration files lack it: no per-request charge then).
-    cpu_shares = {key: json.loads(Path(path).read_text())["pools"][key]["points"]
-                  .get("cpu_share") for key, path in calib.items() if key == "colocated"}
+    colocated_share = json.loads(Path(calib["colocated"]).read_text())["pools"]["colocated"][
+        "points"].get("cpu_share")
     configs = {"disaggregated": load_config(str(ROOT / disagg_path)),
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
@@ -430,7 +431,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             token, it = max(0.0, excess_batch) / slots, 0.0
         stage = pr.get("stages_s", {})
         req = 0.0
-        share = cpu_shares.get(name)
+        share = colocated_share if name == "colocated" else None
         if name == "disaggregated" and "short_cpu_s" in pr:
             # CPU the decode core's processes spent per lone short request, less what the
             # model charges there already: its one decode step with that step's host
