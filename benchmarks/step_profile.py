@@ -9,7 +9,8 @@ under `jax.profiler`. The trace's complete events are grouped by kind: XLA:CPU's
 thunks (`dot`, or `ynn_fusion` where it hands a dot to YNNPACK), our custom calls
 (`ffi_call`: the CPU decode attention), the other fusions, and the host side of the
 call (`PjitFunction`, argument parsing). Per layer and per shape figures for the
-dots come from their order in the step (q, k, v, o, gate, up, down, then the LM head).
+dots come from their order in the step (fused q/k/v, o, fused gate/up, down, then the
+LM head).
 Thunks may run concurrently, so kinds can sum to more than the step.
 Prints a table and writes JSON.
 """
@@ -36,7 +37,7 @@ from jaxdisagg.model.weights import load_model
 
 CONTEXT, BLOCK = 512, 16
 KINDS = ("dot", "ynn_fusion", "ffi_call", "fusion", "PjitFunction", "ParseArguments")
-DOTS = ("q", "k", "v", "o", "gate", "up", "down")
+DOTS = ("qkv", "o", "gate_up", "down")
 
 
 def trace_events(run, steps: int) -> list[dict]:

@@ -83,7 +83,7 @@ def write_gguf(path, cfg, tensors, qtype="F32", arch="llama", skip=()):
 @pytest.mark.parametrize("qtype", TYPES)
 def test_round_trip_in_every_type(tmp_path, qtype):
     from jaxdisagg.model.gguf import hf_name
-    from jaxdisagg.model.weights import _get_path, _hf_to_path
+    from jaxdisagg.model.weights import hf_tensor
 
     tensors = hf_tensors(CFG)
     expected = write_gguf(tmp_path / "m.gguf", CFG, tensors, qtype)
@@ -91,8 +91,7 @@ def test_round_trip_in_every_type(tmp_path, qtype):
     assert model.config.replace(name="gguf-test", bos_token_id=1, eos_token_ids=(2,)) == CFG
     params = nnx.to_pure_dict(nnx.state(model))
     for name, want in expected.items():
-        path, _, inv = _hf_to_path(hf_name(name))
-        got = inv(np.asarray(_get_path(params, path)))
+        got = hf_tensor(params, model.config, hf_name(name))
         np.testing.assert_array_equal(got, want.astype(np.float32), err_msg=name)
     if qtype != "F32":  # quantization did change the weights, and we kept its values
         assert not np.array_equal(expected["blk.0.attn_q.weight"],

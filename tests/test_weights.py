@@ -85,6 +85,14 @@ def test_orbax_restore_in_other_dtype(tmp_path):
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(params_of(bf)))
 
 
+def test_orbax_directory_of_another_format_is_refused_by_name(tmp_path):
+    out = save_orbax(Llama(get_preset("tiny"), seed=2), tmp_path / "o")
+    meta = json.loads((out / "jaxdisagg.json").read_text())
+    (out / "jaxdisagg.json").write_text(json.dumps({**meta, "format": "jaxdisagg-orbax/1"}))
+    with pytest.raises(CheckpointError, match=r"format 'jaxdisagg-orbax/1'.*convert the source"):
+        load_orbax(out)
+
+
 def test_sharded_checkpoint_with_index(tmp_path):
     path, _ = make_hf_model(tmp_path, heads=4, kv_heads=2, shard_size="60KB")
     assert (path / "model.safetensors.index.json").exists()

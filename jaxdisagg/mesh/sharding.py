@@ -31,7 +31,9 @@ RULES: dict[str, str | None] = {
     "heads": TP,
     "kv_heads": TP,
     "head_dim": None,
+    "qkv_part": None,  # a KV head's G query heads, its k and its v: kept together
     "ffn": TP,
+    "gate_up": None,
     "blocks": None,
     "block_pos": None,
 }
@@ -40,12 +42,9 @@ RULES: dict[str, str | None] = {
 PARAM_AXES: dict[str, tuple[str, ...]] = {
     "embed_tokens": ("vocab", "embed"),
     "lm_head": ("embed", "vocab"),
-    "q_proj": ("embed", "heads", "head_dim"),
-    "k_proj": ("embed", "kv_heads", "head_dim"),
-    "v_proj": ("embed", "kv_heads", "head_dim"),
+    "qkv_proj": ("embed", "kv_heads", "qkv_part", "head_dim"),
     "o_proj": ("heads", "head_dim", "embed"),
-    "gate_proj": ("embed", "ffn"),
-    "up_proj": ("embed", "ffn"),
+    "gate_up_proj": ("embed", "gate_up", "ffn"),
     "down_proj": ("ffn", "embed"),
     "weight": ("embed",),  # RMSNorm scales
 }
@@ -80,8 +79,15 @@ def replicate_kv_heads(model: Llama, factor: int) -> Llama:
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=model.dtype)))
     params = nnx.to_pure_dict(nnx.state(model))
     for layer in params["layers"].values():
-        for name in ("k_proj", "v_proj"):
-            layer["attn"][name] = jnp.repeat(layer["attn"][name], factor, axis=1)
+        qkv = layer["attn"]["qkv_proj"]  # [D, K, G+2, H]
+        d, k, c, h = qkv.shape
+        g = (c - 2) // factor
+        # Each KV head's query heads split into `factor` groups, each with its own
+        # copy of the head's k and v: [D, K, factor, g+2, H].
+        q = qkv[:, :, :c - 2].reshape(d, k, factor, g, h)
+        kv = jnp.broadcast_to(qkv[:, :, None, c - 2:], (d, k, factor, 2, h))
+        layer["attn"]["qkv_proj"] = jnp.concatenate([q, kv], axis=3).reshape(
+            d, k * factor, g + 2, h)
     nnx.replace_by_pure_dict(abstract, params)
     return nnx.merge(graphdef, abstract)
 

@@ -26,6 +26,8 @@ from jaxdisagg.model.tokenizer import Tokenizer, load_tokenizer
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 ORBAX_META = "jaxdisagg.json"
+# /2: q/k/v and gate/up stored fused (see llama.py); /1 directories hold them apart.
+ORBAX_FORMAT = "jaxdisagg-orbax/2"
 # Buffers some older checkpoints carry that are not parameters.
 _IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")
 
@@ -98,15 +100,22 @@ def config_from_hf(hf: dict, source: str = "config.json") -> LlamaConfig:
 
 # ---------------------------------------------------------------- HF tensors
 
-# HF name -> (our path, torch [out, in] layout -> ours, ours -> torch layout).
+# HF name -> (our path, part, torch [out, in] layout -> ours, ours -> torch layout).
+# `part` indexes the HF tensor's slice of a fused parameter (q/k/v in `qkv_proj`,
+# gate/up in `gate_up_proj`); None: the tensor is the whole parameter.
 _Transform = Callable[[np.ndarray, LlamaConfig], np.ndarray]
-_Entry = tuple[tuple[str, ...], _Transform, Callable[[np.ndarray], np.ndarray]]
+_Part = Callable[[LlamaConfig], tuple] | None
+_Entry = tuple[tuple[str, ...], _Part, _Transform, Callable[[np.ndarray], np.ndarray]]
 _same = (lambda w, c: w, lambda x: x)
 _transpose = (lambda w, c: w.T, lambda x: x.T)
 
 
+def _group(c: LlamaConfig) -> int:
+    return c.num_heads // c.num_kv_heads
+
+
 def _heads_in(shape: Callable[[LlamaConfig], tuple[int, ...]]):
-    """q/k/v: [N*H, D] <-> [D, N, H]."""
+    """q/k/v: [N*H, D] <-> [D, ..., H]."""
     return (lambda w, c: w.T.reshape(shape(c)), lambda x: x.reshape(x.shape[0], -1).T)
 
 
@@ -116,24 +125,28 @@ def _heads_out(shape: Callable[[LlamaConfig], tuple[int, ...]]):
 
 
 _LAYER_MAP: dict[str, _Entry] = {
-    "input_layernorm.weight": (("input_norm", "weight"), *_same),
-    "post_attention_layernorm.weight": (("post_attn_norm", "weight"), *_same),
-    "self_attn.q_proj.weight": (("attn", "q_proj"), *_heads_in(
-        lambda c: (c.hidden_size, c.num_heads, c.head_dim))),
-    "self_attn.k_proj.weight": (("attn", "k_proj"), *_heads_in(
-        lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
-    "self_attn.v_proj.weight": (("attn", "v_proj"), *_heads_in(
-        lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
-    "self_attn.o_proj.weight": (("attn", "o_proj"), *_heads_out(
+    "input_layernorm.weight": (("input_norm", "weight"), None, *_same),
+    "post_attention_layernorm.weight": (("post_attn_norm", "weight"), None, *_same),
+    # qkv_proj is [D, K, G+2, H]: query head k*G+g at [:, k, g], then k and v.
+    "self_attn.q_proj.weight": (
+        ("attn", "qkv_proj"), lambda c: np.s_[:, :, :_group(c)],
+        *_heads_in(lambda c: (c.hidden_size, c.num_kv_heads, _group(c), c.head_dim))),
+    "self_attn.k_proj.weight": (
+        ("attn", "qkv_proj"), lambda c: np.s_[:, :, _group(c)],
+        *_heads_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.v_proj.weight": (
+        ("attn", "qkv_proj"), lambda c: np.s_[:, :, _group(c) + 1],
+        *_heads_in(lambda c: (c.hidden_size, c.num_kv_heads, c.head_dim))),
+    "self_attn.o_proj.weight": (("attn", "o_proj"), None, *_heads_out(
         lambda c: (c.num_heads, c.head_dim, c.hidden_size))),
-    "mlp.gate_proj.weight": (("mlp", "gate_proj"), *_transpose),
-    "mlp.up_proj.weight": (("mlp", "up_proj"), *_transpose),
-    "mlp.down_proj.weight": (("mlp", "down_proj"), *_transpose),
+    "mlp.gate_proj.weight": (("mlp", "gate_up_proj"), lambda c: np.s_[:, 0], *_transpose),
+    "mlp.up_proj.weight": (("mlp", "gate_up_proj"), lambda c: np.s_[:, 1], *_transpose),
+    "mlp.down_proj.weight": (("mlp", "down_proj"), None, *_transpose),
 }
 _TOP_MAP: dict[str, _Entry] = {
-    "model.embed_tokens.weight": (("embed_tokens",), *_same),
-    "model.norm.weight": (("norm", "weight"), *_same),
-    "lm_head.weight": (("lm_head",), *_transpose),
+    "model.embed_tokens.weight": (("embed_tokens",), None, *_same),
+    "model.norm.weight": (("norm", "weight"), None, *_same),
+    "lm_head.weight": (("lm_head",), None, *_transpose),
 }
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -143,8 +156,8 @@ def _hf_to_path(name: str) -> _Entry | None:
         return _TOP_MAP[name]
     m = _LAYER_RE.match(name)
     if m and m.group(2) in _LAYER_MAP:
-        path, fwd, inv = _LAYER_MAP[m.group(2)]
-        return ("layers", int(m.group(1)), *path), fwd, inv
+        path, part, fwd, inv = _LAYER_MAP[m.group(2)]
+        return ("layers", int(m.group(1)), *path), part, fwd, inv
     return None
 
 
@@ -156,6 +169,13 @@ def _hf_names(cfg: LlamaConfig) -> Iterator[tuple[str, _Entry]]:
     for i in range(cfg.num_layers):
         for suffix in _LAYER_MAP:
             yield f"model.layers.{i}.{suffix}", _hf_to_path(f"model.layers.{i}.{suffix}")
+
+
+def hf_tensor(params: dict, cfg: LlamaConfig, name: str) -> np.ndarray:
+    """The HF tensor `name` in its HF layout, from our pure-dict parameters."""
+    path, part, _, to_hf = _hf_to_path(name)
+    value = np.asarray(_get_path(params, path))
+    return to_hf(value if part is None else value[part(cfg)])
 
 
 def _safetensors_files(ckpt: Path) -> dict[str, Path]:
@@ -247,7 +267,8 @@ def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np
     dtype = jnp.dtype(dtype)
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=dtype)))
     expected = nnx.to_pure_dict(abstract)
-    filled: dict[tuple, tuple[str, Path]] = {}
+    wanted = dict(_hf_names(cfg))
+    seen: set[str] = set()
     values = jax.tree_util.tree_map(lambda _: None, expected)
     tied_head = None
     # disable=None: tqdm draws only on a terminal, so logs get no carriage-return frames
@@ -262,26 +283,27 @@ def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np
         if mapped is None:
             raise CheckpointError(f"{f}: unexpected tensor {name!r} (no Llama parameter "
                                   "has this name)")
-        path, transform, to_hf = mapped
-        try:
-            target = _get_path(expected, path)
-        except (KeyError, IndexError, TypeError):
+        if name not in wanted:
             raise CheckpointError(f"{f}: unexpected tensor {name!r} (the config has "
-                                  f"{cfg.num_layers} layers)") from None
+                                  f"{cfg.num_layers} layers)")
+        path, part, transform, to_hf = mapped
+        target = _get_path(expected, path)
+        index = () if part is None else part(cfg)
+        part_shape = np.empty(target.shape, np.bool_)[index].shape
         # Checked in the file's own layout, before any reshape: a transposed k_proj
         # has the right element count and would otherwise load as garbage.
-        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(target.shape, np.float32)).shape
+        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(part_shape, np.float32)).shape
         if tuple(tensor.shape) != tuple(hf_shape):
             raise CheckpointError(
                 f"{f}: tensor {name!r} has shape {list(tensor.shape)}, expected "
                 f"{list(hf_shape)} (the Hugging Face layout for {config_name})")
-        value = transform(tensor, cfg)
-        _set_path(values, path, np.asarray(value).astype(dtype))
-        filled[path] = (name, f)
-    missing = [p for p, _ in _leaves_with_paths(expected) if p not in filled]
+        if _get_path(values, path) is None:
+            _set_path(values, path, np.empty(target.shape, dtype))
+        _get_path(values, path)[index] = np.asarray(transform(tensor, cfg)).astype(dtype)
+        seen.add(name)
+    missing = [n for n in wanted if n not in seen]
     if missing:
-        names = [".".join(map(str, p)) for p in missing[:8]]
-        raise CheckpointError(f"{source}: missing tensors for parameters {names}"
+        raise CheckpointError(f"{source}: missing tensors {missing[:8]}"
                               f"{' ...' if len(missing) > 8 else ''}")
     if tied_head is not None:
         f, tensor = tied_head
@@ -290,14 +312,6 @@ def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np
                                   "tie_word_embeddings=true but it differs from the embedding")
     nnx.replace_by_pure_dict(abstract, jax.tree_util.tree_map(jnp.asarray, values))
     return nnx.merge(graphdef, abstract)
-
-
-def _leaves_with_paths(tree: dict, prefix: tuple = ()) -> Iterator[tuple[tuple, object]]:
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            yield from _leaves_with_paths(value, (*prefix, key))
-        else:
-            yield (*prefix, key), value
 
 
 def config_to_hf(cfg: LlamaConfig, dtype) -> dict:
@@ -326,8 +340,8 @@ def save_hf_checkpoint(model: Llama, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     params = nnx.to_pure_dict(nnx.state(model))
-    tensors = {name: np.ascontiguousarray(inv(np.asarray(_get_path(params, path))))
-               for name, (path, _, inv) in _hf_names(model.config)}
+    tensors = {name: np.ascontiguousarray(hf_tensor(params, model.config, name))
+               for name, _ in _hf_names(model.config)}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config_to_hf(model.config, model.dtype),
                                                 indent=2))
@@ -348,7 +362,7 @@ def save_orbax(model: Llama, out_dir: str | Path, tokenizer=None,
     out.mkdir(parents=True, exist_ok=True)
     steps = tqdm(total=3, disable=None if progress else True,  # None: only on a terminal
                  desc="writing orbax checkpoint", unit="step")
-    meta = {"format": "jaxdisagg-orbax/1", "dtype": model.dtype.name,
+    meta = {"format": ORBAX_FORMAT, "dtype": model.dtype.name,
             "config": dataclasses.asdict(model.config)}
     (out / ORBAX_META).write_text(json.dumps(meta, indent=2))
     steps.update()
@@ -384,6 +398,10 @@ def load_orbax(ckpt_dir: str | Path, dtype=None) -> Llama:
         meta = json.loads(meta_file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{meta_file}: cannot read ({e})") from None
+    if meta.get("format") != ORBAX_FORMAT:
+        raise CheckpointError(
+            f"{meta_file}: format {meta.get('format')!r}, this version reads {ORBAX_FORMAT!r} "
+            "(its weights are laid out differently); convert the source checkpoint again")
     cfg = _config_from_meta(meta, str(meta_file))
     saved = jnp.dtype(meta["dtype"])
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Llama(cfg, dtype=saved)))
