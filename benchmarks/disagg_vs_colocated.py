@@ -128,11 +128,20 @@ def start(*args) -> tuple[subprocess.Popen, str]:
     return proc, (line.split() + [""])[1]
 
 
+def _named_pids(proc) -> dict[str, int]:
+    return dict((n, int(p)) for n, p in re.findall(r"(\w+) pid (\d+)", proc.ready_line))
+
+
 def decode_core_pids(proc) -> list[int]:
     """The processes that share the decode instance's cores: launch's decode and router
     processes (pinned to one core together), or the one colocated serve process."""
-    named = dict((n, int(p)) for n, p in re.findall(r"(\w+) pid (\d+)", proc.ready_line))
+    named = _named_pids(proc)
     return [named[n] for n in ("decode", "router") if n in named] or [proc.pid]
+
+
+def prefill_core_pids(proc) -> list[int]:
+    """launch's prefill process (alone on its core); none for a colocated server."""
+    return [pid for n, pid in _named_pids(proc).items() if n == "prefill"]
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -235,7 +244,8 @@ PROBE_PROMPT = 512
 PROBE_SHORT = 16
 
 
-def probe(address: str, slots: int, pids: list[int] | None = None) -> dict:
+def probe(address: str, slots: int, pids: list[int] | None = None,
+          prefill_pids: list[int] | None = None) -> dict:
     """The served system's overheads, measured before the experiment (its only input
     to the simulator besides the step calibration): a lone request's TTFT at a short
     and a long prompt (PROBE_SHORT, PROBE_PROMPT tokens), and the inter-token gap of
@@ -251,7 +261,7 @@ def probe(address: str, slots: int, pids: list[int] | None = None) -> dict:
     end takes the rest of the short probe's excess. With `pids` (the processes on the
     decode instance's cores), the CPU time they spend per lone short request is
     recorded too: what each request's front end, handoff and pull take from the cores
-    the decode steps run on."""
+    the decode steps run on; with `prefill_pids` the same for the prefill process."""
     target = bench.ServerTarget(address)
 
     stages = {}
@@ -275,7 +285,7 @@ def probe(address: str, slots: int, pids: list[int] | None = None) -> dict:
     try:
         out = {"idle_ttft_s": ttft(PROBE_PROMPT), "short_ttft_s": ttft(PROBE_SHORT)}
         if pids:
-            out.update(request_cpu(target, pids))
+            out.update(request_cpu(target, pids, prefill_pids))
         out.update({"lone_itl_s": itl(1), "batch_itl_s": itl(slots), "slots": slots})
         out["stages_s"] = {k: statistics.median(v) for k, v in stages.items()}
         return out
@@ -283,24 +293,31 @@ def probe(address: str, slots: int, pids: list[int] | None = None) -> dict:
         target.client.close()
 
 
-def request_cpu(target, pids: list[int], n: int = 30) -> dict:
+def request_cpu(target, pids: list[int], prefill_pids: list[int] | None = None,
+                n: int = 30) -> dict:
     """CPU time the processes spend per lone short request (PROBE_SHORT tokens in, 2
-    out), warm, less what they burn idle over the same time. The kernel counts CPU in
-    10 ms ticks, hence n requests."""
+    out), warm, less what they burn idle over the same time (`short_cpu_s`; with
+    `prefill_pids`, the same of those in `prefill_cpu_s`, from the same requests).
+    The kernel counts CPU in 10 ms ticks, hence n requests."""
+    groups = {"short_cpu_s": pids, **({"prefill_cpu_s": prefill_pids} if prefill_pids else {})}
     def lone(seed):
         prompt = np.random.default_rng(100 + seed).integers(3, 250, PROBE_SHORT).tolist()
         target.run_one(prompt, 2, bench.Record(PROBE_SHORT, 0.0))
 
+    def cpu():
+        return {k: cpu_seconds(v) for k, v in groups.items()}
+
     lone(0)  # anything a first request of this shape still sets up
-    t0, c0 = time.perf_counter(), cpu_seconds(pids)
+    t0, c0 = time.perf_counter(), cpu()
     time.sleep(2.0)
-    idle = (cpu_seconds(pids) - c0) / (time.perf_counter() - t0)
-    t0, c0 = time.perf_counter(), cpu_seconds(pids)
+    wall = time.perf_counter() - t0
+    idle = {k: (c - c0[k]) / wall for k, c in cpu().items()}
+    t0, c0 = time.perf_counter(), cpu()
     for seed in range(n):
         lone(seed + 1)
     wall = time.perf_counter() - t0
-    return {"short_cpu_s": (cpu_seconds(pids) - c0 - idle * wall) / n,
-            "short_wall_s": wall / n, "idle_cpu_share": idle}
+    out = {k: (c - c0[k] - idle[k] * wall) / n for k, c in cpu().items()}
+    return {**out, "short_wall_s": wall / n, "idle_cpu_share": idle["short_cpu_s"]}
 
 
 def reprobe(model: str, kind: str) -> None:
@@ -316,11 +333,32 @@ def reprobe(model: str, kind: str) -> None:
             ("colocated", ("serve", "--config", colocated), raw["best"][1])):
         proc, address = start(*args, "--port", "0")
         try:
-            probes[name] = probe(address, slots, decode_core_pids(proc))
+            probes[name] = probe(address, slots, decode_core_pids(proc),
+                                 prefill_core_pids(proc))
         finally:
             stop(proc)
     log(f"probes: {probes}")
     raw["probes"] = probes
+    path.write_text(json.dumps(raw))
+
+
+def reprobe_prefill_cpu(model: str, kind: str) -> None:
+    """Adds the prefill process's CPU per lone short request to saved runs' probes,
+    keeping every other probe as it was measured (a newer probe's other terms would
+    carry the machine's drift since)."""
+    path = RESULTS / f"goodput_{model}_{kind}.runs.json"
+    raw = json.loads(path.read_text())
+    proc, address = start("launch", "--config", str(ROOT / EXPERIMENTS[model]["config"]),
+                          "--port", "0")
+    target = bench.ServerTarget(address)
+    try:
+        cpu = request_cpu(target, decode_core_pids(proc), prefill_core_pids(proc))
+    finally:
+        target.client.close()
+        stop(proc)
+    log(f"prefill CPU per lone request: {cpu}")
+    raw["probes"]["disaggregated"]["prefill_cpu_s"] = cpu["prefill_cpu_s"]
+    raw["probes"]["disaggregated"]["prefill_cpu_probed"] = time.strftime("%Y-%m-%d %H:%M")
     path.write_text(json.dumps(raw))
 
 
@@ -401,7 +439,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
     out, overheads = {}, {}
     for name, cfg in configs.items():
         def system(it=0.0, token=0.0, admit=0.0, pull=0.0, base=0.0, handoff=0.0, req=0.0,
-                   cfg=cfg):
+                   preq=0.0, cfg=cfg):
             # pull: the cross-process pull's time per prompt token beyond the fabric
             # table's bandwidth, and base its fixed part (the decode thread waits for
             # both); handoff: the offer's way to the decode process (delays only it)
@@ -409,7 +447,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
                                     base_s=base, blocking=True, latency_s=handoff)
             return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended,
-                                          req)
+                                          req, preq)
 
         def gap(n, **kw):
             batch = [(0.0, 16, 64)] * n
@@ -446,6 +484,16 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             model_cpu = (share["prefill"] * costs[name].prefill_s(chunk, 0)
                          + share["decode"] * itl_lone)
             req = max(0.0, pr["short_cpu_s"] - model_cpu - it - 2 * token)
+        preq = 0.0
+        if name == "disaggregated" and "prefill_cpu_s" in pr:
+            # The prefill process's CPU per lone short request beyond its one chunk
+            # (RPCs, the KV's extraction and offer): it holds the prefill core after
+            # the request's last chunk. The process is pinned to one core, so its
+            # chunk's CPU is at most its time (a share of 1 unless calibrated).
+            p_share = json.loads(Path(calib["prefill"]).read_text())["pools"]["prefill"][
+                "points"].get("cpu_share", {}).get("prefill", 1.0)
+            chunk = sim.fit(PROBE_SHORT, sim.buckets(cfg.prefill.chunk_size))
+            preq = max(0.0, pr["prefill_cpu_s"] - p_share * costs["prefill"].prefill_s(chunk, 0))
         long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token, req=req)
         excess_long = pr["idle_ttft_s"] - long_ttft
         admit = pull = base = handoff = 0.0
@@ -475,7 +523,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
         overheads[name] = {"iteration_s": it, "token_s": token, "admit_s": admit,
                            "pull_s_per_token": pull, "pull_base_s": base,
                            "handoff_s": handoff, "pull_from": pull_from,
-                           "request_s": req, "cpu_share": share,
+                           "request_s": req, "prefill_request_s": preq, "cpu_share": share,
                            "calibrated_itl_s": itl_batch,
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
@@ -485,7 +533,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             run = {}
             for k, rate in enumerate(rates):
                 wl = workload(spec, rate_seed(seed, k), rate)
-                records = sim.simulate(system(it, token, admit, pull, base, handoff, req),
+                records = sim.simulate(system(it, token, admit, pull, base, handoff, req, preq),
                                        sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
@@ -527,7 +575,8 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     seeds = list(range(repeats))
     try:
         slots = load_config(str(ROOT / disagg)).decode.max_slots
-        probes = {"disaggregated": probe(d_addr, slots, decode_core_pids(launch)),
+        probes = {"disaggregated": probe(d_addr, slots, decode_core_pids(launch),
+                                         prefill_core_pids(launch)),
                   "colocated": probe(c_addr, best[1], decode_core_pids(serve))}
         log(f"probes: {probes}")
         for seed in seeds:
@@ -651,6 +700,11 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                         f"{o.get('request_s', 0) * ms:.1f} ms of it is beyond the model's work "
                         "(charged to the engine loop per admission)"
                         if (sh := o.get("cpu_share")) else " (prefill included; not charged)"))
+    if "prefill_cpu_s" in pr:
+        parts.append(f"the prefill process spent {pr['prefill_cpu_s'] * ms:.1f} ms of CPU per "
+                     f"lone {PROBE_SHORT}-token request, {o['prefill_request_s'] * ms:.1f} ms "
+                     "of it beyond its chunk (charged to the prefill loop after each "
+                     "request's last chunk)")
     parts.append(f"a full batch's {pr['batch_itl_s'] * ms:.2f} ms (steps alone "
                  f"{o['calibrated_itl_s'] * ms:.2f}); so {o.get('iteration_s', 0) * ms:.2f} ms "
                  f"of host time per decode iteration, {o['token_s'] * ms:.2f} ms per token "
@@ -757,8 +811,9 @@ def main() -> int:
     p.add_argument("--report", action="store_true", help="only rewrite the report")
     p.add_argument("--analyse", action="store_true",
                    help="redo the statistics and the simulation from the saved raw runs")
-    p.add_argument("--reprobe", action="store_true",
-                   help="with --analyse: probe both deployments' overheads again first")
+    p.add_argument("--reprobe", nargs="?", const="all", choices=("all", "prefill-cpu"),
+                   help="with --analyse: probe both deployments' overheads again first "
+                        "(prefill-cpu: only add the prefill process's CPU per request)")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --analyse: measure the step costs again first")
     p.add_argument("--pools", nargs="+", choices=POOLS, default=POOLS,
@@ -770,8 +825,10 @@ def main() -> int:
         for kind in kinds:
             if args.analyse and args.recalibrate:
                 recalibrate(args.model, kind, tuple(args.pools))
-            if args.analyse and args.reprobe:
+            if args.analyse and args.reprobe == "all":
                 reprobe(args.model, kind)
+            elif args.analyse and args.reprobe == "prefill-cpu":
+                reprobe_prefill_cpu(args.model, kind)
             res = (analyse(args.model, kind) if args.analyse else
                    experiment(args.model, kind, args.repeats, not args.no_tune))
             path = RESULTS / f"goodput_{args.model}_{kind}.json"

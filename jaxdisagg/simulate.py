@@ -172,6 +172,10 @@ class PoolSpec:
     # the two pools' cores share the memory bus and last-level cache (calibrated
     # with `jaxdisagg simulate --busy`); 1 where they share nothing.
     contended: float = 1.0
+    # Prompt tokens of KV a prefill instance can hold (its pool's blocks), 0: unbounded.
+    # It binds with a pulled (cross-process) transfer, where prefilled requests keep
+    # their KV on the prefill side until the decode side pulls it.
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,10 @@ class System:
     # and pull, where they run beside the decode loop, as `launch` pins the router with
     # the decode pool): each admission holds the decode loop that long.
     request_s: float = 0.0
+    # Host CPU time per request on a prefill instance's cores beyond its chunks (its
+    # RPCs, the KV's extraction and offer): after a request's last chunk the instance
+    # is held that long before its next chunk; the request itself is not delayed.
+    prefill_request_s: float = 0.0
 
 
 @dataclass(eq=False)
@@ -227,6 +235,7 @@ class _Req:
     decode: int = 0  # its decode instance
     transferred: bool = False
     transfer_ready: float = 0.0  # when its KV has landed (a non-blocking transfer)
+    prefill: int = -1  # its prefill instance
 
 
 class _Sim:
@@ -262,6 +271,7 @@ class _Sim:
         r.marks["arrival"] = self.now
         if self.pre and r.prompt > self.s.local_prefill_threshold:
             i = min(range(len(self.pre)), key=lambda i: self.pre[i].queued_tokens())
+            r.prefill = i
             self.pre[i].queue.append(r)
             self.pre[i].wake()
         else:
@@ -313,10 +323,23 @@ def _chunk(pool: PoolSpec, r: _Req) -> tuple[int, int, bool]:
 
 
 class _PrefillInst(_Inst):
+    """With a pulled (blocking, cross-process) transfer the prefill process answers
+    each request as soon as its KV is staged, so a full decode side does not stop it:
+    prefilled requests wait on the decode side, their KV held here until pulled, and
+    only this instance's KV capacity (`kv_tokens`) stops it. Otherwise (in-process)
+    the last chunk waits for room in the decode instance's handoff queue."""
+
     def __init__(self, sim: _Sim, index: int):
         super().__init__(sim)
         self.pool = sim.s.prefill
         self.queue: deque[_Req] = deque()
+        self.pulled = sim.s.transfer is not None and sim.s.transfer.blocking
+        self.held = 0  # prompt tokens of KV held: being prefilled or staged for a pull
+
+    def release(self, tokens: int) -> None:
+        """The decode side pulled a request's KV: its blocks are free again."""
+        self.held -= tokens
+        self.wake()
 
     def queued_tokens(self) -> int:
         return sum(r.prompt - r.pos for r in self.queue)
@@ -327,7 +350,13 @@ class _PrefillInst(_Inst):
         r = self.queue[0]
         n, executed, last = _chunk(self.pool, r)
         dec = self.sim.dec[r.decode]
-        if last and not dec.room():
+        if self.pulled:
+            if r.pos == 0:  # its KV blocks are taken when its prefill starts
+                full = self.held + r.prompt > self.pool.kv_tokens
+                if self.pool.kv_tokens and self.held and full:
+                    return None  # woken by `release`
+                self.held += r.prompt
+        elif last and not dec.room():
             dec.blocked.add(self)  # woken when the decode side takes a handoff
             return None
         r.marks.setdefault("prefill_start", t)
@@ -343,6 +372,7 @@ class _PrefillInst(_Inst):
                                                      else tr.seconds(r.prompt))
             dec.in_flight += 1
             self.sim.at(end, lambda: dec.receive(r))
+            return end + self.sim.s.prefill_request_s
         return end
 
 
@@ -384,6 +414,7 @@ class _DecodeInst(_Inst):
                     self.sim.at(r.transfer_ready, self.wake)
                     break
                 t += tr.seconds(r.prompt)
+                self.sim.pre[r.prefill].release(r.prompt)
             elif r.transferred:
                 t = max(t, r.transfer_ready)
             self.ready.popleft()
@@ -540,7 +571,7 @@ def capacity(system: System, prompt: float, output: float) -> float:
 def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None = None,
                        iteration_s: float = 0.0, token_s: float = 0.0, admit_s: float = 0.0,
                        contended: dict[str, float] | None = None,
-                       request_s: float = 0.0) -> System:
+                       request_s: float = 0.0, prefill_request_s: float = 0.0) -> System:
     """The System a DeploymentConfig serves: its pools' instances, chunk sizes, slots
     and tp, its router's handoff queue and local-prefill threshold. `costs` (and
     optionally `contended`) per pool name; `transfer` defaults to the fabric table
@@ -552,8 +583,9 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
     def spec(name):
         p = pools[name]
         slots = 0 if name == "prefill" else p.max_slots
+        kv = p.num_blocks * p.block_size if name == "prefill" else 0
         return PoolSpec(p.instances, costs[name], p.chunk_size, slots, p.tp,
-                        contended.get(name, 1.0))
+                        contended.get(name, 1.0), kv)
 
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,
@@ -563,7 +595,7 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
         raise ValueError("a disaggregated system needs its KV transfer's cost")
     return System("disaggregated", spec("decode"), spec("prefill"), transfer,
                   cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s,
-                  token_s, admit_s, request_s)
+                  token_s, admit_s, request_s, prefill_request_s)
 
 
 # ---------------------------------------------------------------------- calibration files

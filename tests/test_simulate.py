@@ -99,6 +99,48 @@ def test_request_host_time_holds_the_decode_loop_once_per_admission():
     assert sum(first.itl) == pytest.approx(39 * d + req)
 
 
+def test_prefill_host_time_holds_the_prefill_loop_after_each_request():
+    """Per-request CPU on a prefill instance's cores beyond its chunks
+    (`prefill_request_s`): a lone request's TTFT does not change; of two requests that
+    arrive together, the second's prefill starts that long after the first's ends; and
+    a saturated instance serves one request per chunk + that time."""
+    c, hold = 0.010, 0.004
+    base = disagg(costs((c, 0.0, 0.0)), costs(decode=(0.001, 0.0, 0.0, 0.0)), queue=1 << 20)
+    system = dataclasses.replace(base, prefill_request_s=hold)
+    (alone,) = sim.simulate(system, [(0.0, 16, 2)])
+    (plain,) = sim.simulate(base, [(0.0, 16, 2)])
+    assert alone.ttft == pytest.approx(plain.ttft)
+    first, second = sim.simulate(system, [(0.0, 16, 2), (0.0, 16, 2)])
+    assert second.ttft - first.ttft == pytest.approx(c + hold)
+    n = 50
+    recs = sim.simulate(system, [(0.0, 16, 2)] * n)
+    assert max(r.ttft for r in recs) == pytest.approx(n * c + (n - 1) * hold, rel=1e-3,
+                                                      abs=0.002)
+
+
+def test_a_pulled_transfer_frees_the_prefill_from_the_decode_side_but_not_from_its_kv():
+    """Cross-process (pulled) KV: the prefill process answers each request once its KV
+    is staged, so four requests prefill back to back though the decode side has one
+    slot and a handoff queue of one; they wait on the decode side instead. With room
+    for two prompts' KV on the prefill side, the third starts once the first is
+    pulled, and the fourth only once the second is, a whole decode later."""
+    c, d, out = 0.001, 0.010, 10
+    tr = sim.Transfer(1, 1e12, blocking=True)
+    system = disagg(costs((c, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)), slots=1,
+                    queue=1, transfer=tr)
+    plan = [(0.0, 16, out)] * 4
+
+    def prefill_ends(system):
+        return [r.stages["queue"] + r.stages["prefill"] for r in sim.simulate(system, plan)]
+
+    assert prefill_ends(system) == pytest.approx([c, 2 * c, 3 * c, 4 * c])
+    held = dataclasses.replace(system, prefill=dataclasses.replace(system.prefill,
+                                                                   kv_tokens=32))
+    ends = prefill_ends(held)
+    assert ends[:3] == pytest.approx([c, 2 * c, 3 * c])
+    assert ends[3] == pytest.approx(c + (out - 1) * d + c, rel=0.05)
+
+
 def test_contention_slows_a_pool_only_while_the_other_phase_works():
     """The decode step costs `contended` times more exactly while a prefill runs: a
     request decoding alone sees plain steps; one decoding while another's 0.100 s
