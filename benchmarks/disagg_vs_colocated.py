@@ -663,7 +663,22 @@ def _within(res: dict, tol: float) -> str:
         f"{name} {_err(res['simulated_goodput'][name]['pooled'], g['pooled'])}"
         for name, g in res["goodput"].items())
     return (f"Simulator within {tol:.0%} of the measurement (rate x deployment cells): "
-            f"{cells}. Goodput rate error: {good}.")
+            f"{cells}. Goodput rate error: {good}. {_goodput_by_run(res)}")
+
+
+def _goodput_by_run(res: dict) -> str:
+    """Each repeat's goodput against the same seed simulated, and whether the pooled
+    prediction lies inside the measurement's own interval: the pooled error alone
+    cannot tell a biased model from one unusual repeat."""
+    parts = []
+    for name, g in res["goodput"].items():
+        sim_g = res["simulated_goodput"][name]
+        errs = ", ".join(_err(p, m) for p, m in zip(sim_g["per_run"], g["per_run"],
+                                                    strict=True))
+        inside = "inside" if g["lo"] <= sim_g["pooled"] <= g["hi"] else "outside"
+        parts.append(f"{name} {errs} by repeat, the pooled prediction {inside} the "
+                     "measured 95% interval")
+    return "Paired by seed: " + "; ".join(parts) + "."
 
 
 def _paired(goodput: dict) -> str:
