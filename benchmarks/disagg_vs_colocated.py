@@ -68,10 +68,10 @@ EXPERIMENTS = {
         "config": "configs/cpu-2proc.yaml", "candidates": [(32, 8), (64, 8), (128, 8), (64, 16)],
         "long": {"prompt": ("uniform", 400, 900), "output": 64, "requests": 40,
                  "slo": (500, 15), "coarse": (3, 6, 10),
-                 "rates": (4, 5, 6, 7, 8, 10, 12, 14)},
+                 "rates": (4, 6, 7, 8, 9, 10, 11, 12, 14)},
         "short": {"prompt": ("uniform", 16, 64), "output": 64, "requests": 40,
                   "window_s": 10, "slo": (1000, 40), "coarse": (12, 24, 40),
-                  "rates": (12, 16, 20, 24, 28, 32, 40)},
+                  "rates": (12, 16, 18, 20, 22, 24, 26, 28, 32, 36, 40)},
     },
     "smollm2": {
         "config": "configs/cpu-smollm2-2proc.yaml", "candidates": [(128, 8), (64, 8)],
