@@ -847,7 +847,7 @@ def main() -> int:
             res = (analyse(args.model, kind) if args.analyse else
                    experiment(args.model, kind, args.repeats, not args.no_tune))
             path = RESULTS / f"goodput_{args.model}_{kind}.json"
-            path.write_text(json.dumps(res, indent=1))
+            path.write_text(json.dumps(res, separators=(",", ":")))  # large: per-request records
             log(f"wrote {path}: {res['verdict']}")
     files = sorted(f for f in RESULTS.glob("goodput_*_*.json") if ".runs." not in f.name)
     REPORT.write_text(render([json.loads(f.read_text()) for f in files]))
