@@ -417,6 +417,12 @@ def _contention(calib: dict[str, str]) -> dict[str, float]:
     return out
 
 
+def _cpu_share(calib: dict[str, str], pool: str) -> dict | None:
+    """A pool's calibrated CPU seconds per wall second of its programs (None in older
+    calibration files)."""
+    return json.loads(Path(calib[pool]).read_text())["pools"][pool]["points"].get("cpu_share")
+
+
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
               disagg_path: str, colocated_path: str, probes: dict) -> tuple[dict, dict]:
     """The same seeds and rates through the simulator: step costs (and the pinned
@@ -432,8 +438,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
     contended = _contention(calib)
     # The colocated pool's CPU per wall second of a lone request's programs (older
     # calibration files lack it: no per-request charge then).
-    colocated_share = json.loads(Path(calib["colocated"]).read_text())["pools"]["colocated"][
-        "points"].get("cpu_share")
+    colocated_share = _cpu_share(calib, "colocated")
     configs = {"disaggregated": load_config(str(ROOT / disagg_path)),
                "colocated": load_config(colocated_path)}
     out, overheads = {}, {}
@@ -490,8 +495,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             # (RPCs, the KV's extraction and offer): it holds the prefill core after
             # the request's last chunk. The process is pinned to one core, so its
             # chunk's CPU is at most its time (a share of 1 unless calibrated).
-            p_share = json.loads(Path(calib["prefill"]).read_text())["pools"]["prefill"][
-                "points"].get("cpu_share", {}).get("prefill", 1.0)
+            p_share = (_cpu_share(calib, "prefill") or {}).get("prefill", 1.0)
             chunk = sim.fit(PROBE_SHORT, sim.buckets(cfg.prefill.chunk_size))
             preq = max(0.0, pr["prefill_cpu_s"] - p_share * costs["prefill"].prefill_s(chunk, 0))
         long_ttft = lone_ttft(PROBE_PROMPT, it=it, token=token, req=req)

@@ -289,10 +289,10 @@ def build_model(cfg: LlamaConfig, dtype, tensors: Iterator[tuple[str, object, np
         path, part, transform, to_hf = mapped
         target = _get_path(expected, path)
         index = () if part is None else part(cfg)
-        part_shape = np.empty(target.shape, np.bool_)[index].shape
         # Checked in the file's own layout, before any reshape: a transposed k_proj
         # has the right element count and would otherwise load as garbage.
-        hf_shape = jax.eval_shape(to_hf, jax.ShapeDtypeStruct(part_shape, np.float32)).shape
+        hf_shape = jax.eval_shape(lambda x, f=to_hf, i=index: f(x[i]),
+                                  jax.ShapeDtypeStruct(target.shape, np.float32)).shape
         if tuple(tensor.shape) != tuple(hf_shape):
             raise CheckpointError(
                 f"{f}: tensor {name!r} has shape {list(tensor.shape)}, expected "
