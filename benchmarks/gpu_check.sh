@@ -1,15 +1,43 @@
 #!/usr/bin/env bash
-# The GPU check of the Pallas kernels (issue: Pallas attention kernels). Needs only this
-# tree and an installed jax with GPU support; prints one table, writes
-# benchmarks/results/gpu_check.json (and, on a GPU, the simulator's calibration).
-# On a CPU machine: bash benchmarks/gpu_check.sh --smoke
-set -euo pipefail
+# The GPU check, sized for one lent GPU and 10 minutes: the Pallas kernels
+# (benchmarks/gpu_check.py: correctness on every real head layout, a launch-shape sweep
+# that updates jaxdisagg/pallas/tuned_blocks.json, speed beside JAX's own kernels and
+# cuDNN), then end to end (benchmarks/gpu_e2e.py: step times against their floors, greedy
+# tokens against the CPU reference, a two-process deployment sharing the GPU), then the
+# simulator's calibration. Every part prints as it goes and writes its JSON when it ends;
+# each has its own time limit, so one that hangs cannot take the others with it.
+#
+#   bash benchmarks/gpu_check.sh [kernels|e2e|all] [--smoke]
+#
+# Results go to $GPU_CHECK_OUT (default benchmarks/results). On a CPU machine,
+# `--smoke` runs every path at toy shapes (interpret mode).
+set -uo pipefail
 cd "$(dirname "$0")/.."
-export XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 benchmarks/gpu_check.py "$@"
-# On a GPU, also record the serving programs' step times for the simulator
-# (benchmarks/plan_study.py takes its per-call overhead from this file).
-if [[ " $* " != *" --smoke "* ]]; then
-  python3 -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \
-    --calibrate benchmarks/results/calibration_gpu_llama3.2-1b.json
+export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+out=${GPU_CHECK_OUT:-benchmarks/results}
+what=all smoke=()
+for a in "$@"; do case $a in --smoke) smoke=(--smoke) ;; *) what=$a ;; esac; done
+mkdir -p "$out"
+python3 -c 'import jax, flax, grpc, google.protobuf as pb; print("jax", jax.__version__,
+  jax.devices(), "flax", flax.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)'
+rc=0
+part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes on
+  local limit=$1; shift
+  echo "=== $* (limit ${limit}s)"
+  timeout "$limit" "$@" || { echo "=== exit $? from: $*"; rc=1; }
+}
+if [[ $what == kernels || $what == all ]]; then
+  part 270 python3 benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"
+  cp jaxdisagg/pallas/tuned_blocks.json "$out/" 2>/dev/null
 fi
+if [[ $what == e2e || $what == all ]]; then
+  part 150 python3 benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
+  part 100 python3 benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
+  part 130 python3 benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  if [[ ${#smoke[@]} -eq 0 ]]; then  # the serving programs' step times, for the simulator
+    part 90 python3 -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \
+      --calibrate "$out/calibration_gpu_llama3.2-1b.json"
+  fi
+fi
+exit $rc

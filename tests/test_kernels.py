@@ -17,6 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxdisagg.mesh.sharding import make_mesh
 from jaxdisagg.pallas.attention import decode_attention, prefill_attention, resolve_backend
+from jaxdisagg.pallas.blocks import DecodeBlocks, PrefillBlocks
 from jaxdisagg.pallas.decode import paged_decode_attention
 from jaxdisagg.pallas.prefill import paged_prefill_attention
 from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_ref
@@ -24,6 +25,9 @@ from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_r
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 CASES = list(itertools.product([1, 2, 4, 8], [64, 128], [8, 16]))  # group, head_dim, block
 CASES += [(3, 64, 16), (7, 64, 8)]  # groups that are not powers of two (SmolLM2: 3)
+# Head dims that are not powers of two (run as the next one, masked), large blocks, a
+# group of 16.
+CASES += [(3, 80, 32), (6, 96, 64), (16, 64, 16), (2, 256, 8)]
 NUM_BLOCKS, PAGES, KV_HEADS = 24, 6, 2
 
 
@@ -85,7 +89,7 @@ def test_prefill_blocks_of_padding_skip_their_work():
     q, k, v, table, start, _ = prefill_inputs(7, 2, 64, 16, jnp.float32, 0, chunk=64)
     nv = jnp.int32(5)
     got = paged_prefill_attention(q, k, v, table, start, nv, scale=0.125, interpret=True,
-                                  poison=True)
+                                  poison=True, blocks=PrefillBlocks(block_rows=64))
     want = prefill_attention_ref(q, k, v, table, start, nv, scale=0.125)
     check(got[:5], want[:5], jnp.float32)
     assert not np.asarray(got[32:]).any()  # rows 64.. of each KV head: tokens 32..63
@@ -102,6 +106,36 @@ def test_bf16(g, h, bs):
     assert got.dtype == jnp.bfloat16
     want = prefill_attention_ref(q, k, v, table, start, nv, scale=h ** -0.5)
     check(got[:int(nv)], want[:int(nv)], jnp.bfloat16)
+
+
+@pytest.mark.parametrize("blocks", [DecodeBlocks(keys_per_step=16, num_splits=4),
+                                    DecodeBlocks(keys_per_step=64, num_splits=1),
+                                    DecodeBlocks(num_splits=5)])
+def test_decode_launch_shapes_all_give_the_reference(blocks):
+    """Splits that do not divide the pages, one split, more splits than steps: the
+    combine step and the early exit of splits past a slot's length stay exact."""
+    q, k, v, tables, lens = decode_inputs(11, 3, 64, 8, jnp.float32)
+    got = paged_decode_attention(q, k, v, tables, lens, scale=0.125, interpret=True,
+                                 poison=True, blocks=blocks)
+    check(got, decode_attention_ref(q, k, v, tables, lens, scale=0.125), jnp.float32)
+
+
+def test_launch_shapes_come_from_the_config_then_the_table_then_the_shape(monkeypatch):
+    from jaxdisagg.pallas import blocks as blk
+
+    key = blk.table_key("NVIDIA H200", "bfloat16", 4, 128, 16)
+    monkeypatch.setattr(blk, "_tuned", lambda: {"decode": {key: {"keys_per_step": 32,
+                                                                 "num_warps": 8}}})
+    shape = dict(key=key, batch=1, kv_heads=8, block_size=16, head_dim=128, pages=512)
+    tuned = blk.decode_blocks(None, **shape)
+    assert (tuned.keys_per_step, tuned.num_warps, tuned.num_stages) == (32, 8, 2)
+    assert tuned.num_splits == 33  # 8 KV heads x 33 splits >= 264 programs at batch 1
+    assert blk.decode_blocks(DecodeBlocks(num_warps=2), **shape).num_warps == 2
+    other = blk.decode_blocks(None, **(shape | {"key": "cpu|float32|g4|h128|bs16",
+                                                 "batch": 64, "pages": 3}))
+    assert (other.keys_per_step, other.num_splits) == (64, 1)  # 3 pages: one 4-page step
+    with pytest.raises(ValueError, match="keys_per_step: must be a positive power of two"):
+        DecodeBlocks(keys_per_step=24)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -143,14 +177,24 @@ REAL_SHAPES = [(9, 3, 64), (3, 1, 64), (32, 8, 64), (4, 1, 64), (32, 32, 128), (
                (7, 1, 128)]
 
 
-@pytest.mark.parametrize("n,k,h", REAL_SHAPES, ids=[f"{n}q{k}kv{h}" for n, k, h in REAL_SHAPES])
+# Every group 1-8 and 16, head dims 64/80/96/128/256 and block sizes 8/16/32/64, each
+# of them several times: (query heads, KV heads, head_dim, block size).
+SYNTHETIC_SHAPES = [(1, 1, 80, 8), (2, 1, 96, 32), (3, 1, 256, 64), (4, 2, 80, 64),
+                    (5, 1, 64, 32), (6, 1, 96, 8), (7, 1, 128, 64), (8, 1, 256, 16),
+                    (16, 1, 128, 32), (32, 2, 96, 16)]
+LOWERING = ([(n, k, h, 16) for n, k, h in REAL_SHAPES]
+            + [(n * kv, kv, h, bs) for n, kv, h, bs in SYNTHETIC_SHAPES])
+
+
+@pytest.mark.parametrize("n,k,h,bs", LOWERING,
+                         ids=[f"{n}q{k}kv{h}bs{bs}" for n, k, h, bs in LOWERING])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_kernels_lower_for_cuda_through_triton(n, k, h, dtype):
+def test_kernels_lower_for_cuda_through_triton(n, k, h, bs, dtype):
     """Cross-platform lowering runs Pallas' Triton lowering without a GPU: an op the
     backend cannot lower, or a tile it rejects (every block side a power of two), fails
     here. Pools of 321 blocks: the page count need not be a power of two either."""
     sds = jax.ShapeDtypeStruct
-    page = sds((321, 16, k, h), dtype)
+    page = sds((321, bs, k, h), dtype)
     decode = jax.jit(lambda *a: paged_decode_attention(*a, scale=0.088))
     prefill = jax.jit(lambda *a: paged_prefill_attention(*a, scale=0.088))
     for fn, args in (

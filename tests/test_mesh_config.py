@@ -72,7 +72,21 @@ PARSE_ERRORS = [
     (with_("prefill.block_size", 8), r"prefill\.block_size: 8 differs from decode\.block_size"),
     (with_("prefill", [1, 2]), r"prefill: expected a mapping of devices, tp"),
     (with_("transfer.lease_s", 0), r"transfer\.lease_s: must be positive"),
+    (with_("decode.decode_kernel", {"keys_per_step": 48}),
+     r"decode\.decode_kernel\.keys_per_step: must be a positive power of two, got 48"),
+    (with_("prefill.prefill_kernel", {"block_rows": 8}),
+     r"prefill\.prefill_kernel\.block_rows: tensor-core tiles need at least 16"),
+    (with_("decode.decode_kernel", {"num_wraps": 8}),
+     r"decode\.decode_kernel\.num_wraps: unknown key; did you mean 'num_warps'"),
 ]
+
+
+def test_kernel_launch_shapes_parse_into_their_dataclasses():
+    from jaxdisagg.pallas.blocks import DecodeBlocks
+
+    cfg = parse_config(with_("decode.decode_kernel", {"num_splits": 4, "num_warps": 8}))
+    assert cfg.decode.decode_kernel == DecodeBlocks(num_splits=4, num_warps=8)
+    assert cfg.prefill.decode_kernel is None  # not set: chosen by shape
 
 
 @pytest.mark.parametrize("data,message", PARSE_ERRORS)

@@ -18,6 +18,8 @@ from typing import Literal
 
 import yaml
 
+from jaxdisagg.pallas.blocks import DecodeBlocks, PrefillBlocks
+
 
 class ConfigError(ValueError):
     """A deployment config that cannot run; the message starts with the field path."""
@@ -51,6 +53,10 @@ class PoolConfig:
     # Decode dispatches step N+1 before reading step N's tokens, so the host's work per
     # step (inputs, emitting tokens, stop checks) overlaps the device's.
     overlap_steps: bool = True
+    # The GPU kernels' launch shapes (tile sizes, splits, warps, stages); a field left
+    # out is chosen by shape, from the tuned table or the defaults (`pallas/blocks.py`).
+    decode_kernel: DecodeBlocks | None = None
+    prefill_kernel: PrefillBlocks | None = None
 
 
 @dataclass(frozen=True)
@@ -157,7 +163,12 @@ def _from_dict(cls, data, path: str):
         if key in ("local_prefill_threshold", "host_cache_blocks") and kwargs[key] < 0:
             raise ConfigError(f"{where}: must be 0 (off) or a positive token count, "
                               f"got {kwargs[key]!r}")
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except ValueError as e:  # a config type's own check; its message starts with the field
+        raise ConfigError(f"{path}.{e}" if path else str(e)) from None
 
 
 def parse_config(data: dict) -> DeploymentConfig:

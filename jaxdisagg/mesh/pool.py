@@ -36,7 +36,7 @@ from jaxdisagg.model.paged import (
     table_widths,
 )
 from jaxdisagg.model.sampling import RowParams, row_params, sample_rows
-from jaxdisagg.pallas.attention import resolve_backend
+from jaxdisagg.pallas.attention import AttentionSpec, resolve_backend
 
 
 def chunk_buckets(chunk_size: int, step: int = 16, fine_up_to: int = 64) -> list[int]:
@@ -83,6 +83,8 @@ class PoolInstance:
         self.config = model.config
         self.dtype = model.dtype
         self.backend = resolve_backend(backend)
+        # What the programs get: the backend and the launch shapes this pool's config set.
+        attention = AttentionSpec(self.backend, pool.decode_kernel, pool.prefill_kernel)
         graphdef, state = nnx.split(model)
         # The programs take the parameters as a flat tuple of arrays, not the nnx.State:
         # jit flattens a State through its Variables in Python at every call, ~1 ms of a
@@ -100,16 +102,16 @@ class PoolInstance:
         rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
         self._prefill = jax.jit(
-            _over_leaves(prefill_chunk, treedef, graphdef, backend=self.backend, mesh=self.mesh),
+            _over_leaves(prefill_chunk, treedef, graphdef, backend=attention, mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))
         self._decode = jax.jit(
-            _over_leaves(decode_sample_step, treedef, graphdef, backend=self.backend,
+            _over_leaves(decode_sample_step, treedef, graphdef, backend=attention,
                          mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sh), donate_argnums=(1,))
         self._decode_logits = jax.jit(
-            _over_leaves(decode_step, treedef, graphdef, backend=self.backend, mesh=self.mesh),
+            _over_leaves(decode_step, treedef, graphdef, backend=attention, mesh=self.mesh),
             in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
             out_shardings=(rep, kv_sh), donate_argnums=(1,))  # compiled on first use
         # Overlap scheduling's input tokens: the step in flight's where carried, else the
@@ -122,7 +124,7 @@ class PoolInstance:
                                    layer_group_size or self.config.num_layers)
         self._group_fns = [
             jax.jit(_over_leaves(prefill_chunk_group, treedef, graphdef, lo=g.start,
-                                 backend=self.backend, mesh=self.mesh),
+                                 backend=attention, mesh=self.mesh),
                     in_shardings=(self._state_sharding, self._kv_shardings(len(g)), rep, rep,
                                   rep, rep),
                     out_shardings=(rep, self._kv_shardings(len(g))), donate_argnums=(1,))

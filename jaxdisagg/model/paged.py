@@ -25,7 +25,9 @@ from jax.sharding import Mesh
 from jaxdisagg.model.config import LlamaConfig
 from jaxdisagg.model.llama import Llama
 from jaxdisagg.model.sampling import RowParams, sample_with_logprobs
-from jaxdisagg.pallas.attention import decode_attention, prefill_attention
+from jaxdisagg.pallas.attention import AttentionSpec, decode_attention, prefill_attention
+
+Backend = str | AttentionSpec  # an attention backend's name, or one with launch shapes
 
 
 class KVPages(NamedTuple):
@@ -130,7 +132,7 @@ def _last_logits(model: Llama, x, num_valid):
 
 def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                   start: jax.Array, num_valid: jax.Array, block_table: jax.Array, *,
-                  backend: str = "reference", mesh: Mesh | None = None
+                  backend: Backend = "reference", mesh: Mesh | None = None
                   ) -> tuple[jax.Array, KVPages]:
     """One prefill chunk of one request.
 
@@ -149,7 +151,7 @@ def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens:
 
 def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPages,
                         inputs: jax.Array, start: jax.Array, num_valid: jax.Array,
-                        block_table: jax.Array, *, lo: int, backend: str = "reference",
+                        block_table: jax.Array, *, lo: int, backend: Backend = "reference",
                         mesh: Mesh | None = None):
     """Layers lo .. lo+len(kv_group.k) of a prefill chunk, for layer-wise KV streaming.
 
@@ -168,7 +170,7 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                 positions: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
-                backend: str = "reference", mesh: Mesh | None = None
+                backend: Backend = "reference", mesh: Mesh | None = None
                 ) -> tuple[jax.Array, KVPages]:
     """One decode step for B slots.
 
@@ -194,7 +196,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
 
 def decode_sample_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,
                        tokens: jax.Array, positions: jax.Array, block_tables: jax.Array,
-                       seq_lens: jax.Array, rows: RowParams, *, backend: str = "reference",
+                       seq_lens: jax.Array, rows: RowParams, *, backend: Backend = "reference",
                        mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, KVPages]:
     """`decode_step` with each row's next token sampled in the same program:
     returns (tokens [B] int32, logprobs [B] fp32, updated pages). Only 2B numbers
@@ -225,7 +227,7 @@ class ServingFns(NamedTuple):
     decode: Callable
 
 
-def jit_serving_fns(graphdef: nnx.GraphDef, backend: str = "reference") -> ServingFns:
+def jit_serving_fns(graphdef: nnx.GraphDef, backend: Backend = "reference") -> ServingFns:
     """jax.jit over the split state (merge inside): ~2.7x less dispatch than nnx.jit."""
     prefill = jax.jit(functools.partial(prefill_chunk, graphdef, backend=backend),
                       donate_argnums=(1,))

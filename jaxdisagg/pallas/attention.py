@@ -15,22 +15,41 @@ Inside a sharded program, pass the pool's `mesh`: the kernels then run under
 `jax.shard_map` over the `tp` axis, each device on its own KV heads and their query
 heads (plain jit would all-gather the pages and run the kernel replicated). The
 reference backend needs no mesh: XLA partitions it.
+
+Where a backend name is taken, an `AttentionSpec` may be passed instead: the name
+plus the kernels' launch shapes a deployment config set (`blocks.py`).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 from jax.sharding import Mesh, PartitionSpec
 
 from jaxdisagg.pallas import cpu
+from jaxdisagg.pallas.blocks import DecodeBlocks, PrefillBlocks
 from jaxdisagg.pallas.decode import paged_decode_attention
 from jaxdisagg.pallas.prefill import paged_prefill_attention
 from jaxdisagg.pallas.reference import decode_attention_ref, prefill_attention_ref
 
 BACKEND_NAMES = ("auto", "reference", "cpu", "pallas", "pallas_interpret")
 TP = "tp"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """A backend and the launch shapes set for its kernels (None: chosen by shape)."""
+
+    backend: str = "auto"
+    decode: DecodeBlocks | None = None
+    prefill: PrefillBlocks | None = None
+
+
+def _spec(backend: str | AttentionSpec) -> AttentionSpec:
+    spec = backend if isinstance(backend, AttentionSpec) else AttentionSpec(backend)
+    return AttentionSpec(resolve_backend(spec.backend), spec.decode, spec.prefill)
 
 
 def resolve_backend(name: str) -> str:
@@ -47,10 +66,10 @@ def resolve_backend(name: str) -> str:
     return name
 
 
-def _kernels(backend: str):
-    interpret = backend == "pallas_interpret"
-    return (functools.partial(paged_prefill_attention, interpret=interpret),
-            functools.partial(paged_decode_attention, interpret=interpret))
+def _kernels(spec: AttentionSpec):
+    interpret = spec.backend == "pallas_interpret"
+    return (functools.partial(paged_prefill_attention, interpret=interpret, blocks=spec.prefill),
+            functools.partial(paged_decode_attention, interpret=interpret, blocks=spec.decode))
 
 
 def _sharded(fn, mesh: Mesh | None, in_specs, out_spec):
@@ -65,22 +84,23 @@ _PAGES = PartitionSpec(None, None, TP, None)  # [blocks, block_size, KV heads, H
 
 
 def prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *, scale,
-                      backend: str = "reference", mesh: Mesh | None = None):
+                      backend: str | AttentionSpec = "reference", mesh: Mesh | None = None):
     """Chunk queries [T, N, H] at start.. over the request's pages -> [T, N, H]."""
-    backend = resolve_backend(backend)
-    if backend in ("reference", "cpu"):
+    spec = _spec(backend)
+    if spec.backend in ("reference", "cpu"):
         return prefill_attention_ref(q, k_pages, v_pages, block_table, start, num_valid,
                                      scale=scale)
-    kernel = functools.partial(_kernels(backend)[0], scale=scale)
+    kernel = functools.partial(_kernels(spec)[0], scale=scale)
     fn = _sharded(kernel, mesh, (_HEADS, _PAGES, _PAGES, PartitionSpec(), PartitionSpec(),
                                  PartitionSpec()), _HEADS)
     return fn(q, k_pages, v_pages, block_table, start, num_valid)
 
 
 def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
-                     backend: str = "reference", mesh: Mesh | None = None):
+                     backend: str | AttentionSpec = "reference", mesh: Mesh | None = None):
     """One query per slot [B, N, H] over each slot's pages -> [B, N, H]."""
-    backend = resolve_backend(backend)
+    spec = _spec(backend)
+    backend = spec.backend
     if backend == "cpu" and not cpu.supports(k_pages.dtype, q.shape[-1]):
         backend = "reference"
     if backend == "reference":
@@ -88,7 +108,7 @@ def decode_attention(q, k_pages, v_pages, block_tables, seq_lens, *, scale,
     if backend == "cpu":
         kernel = functools.partial(cpu.paged_decode_attention_cpu, scale=scale)
     else:
-        kernel = functools.partial(_kernels(backend)[1], scale=scale)
+        kernel = functools.partial(_kernels(spec)[1], scale=scale)
     fn = _sharded(kernel, mesh, (_HEADS, _PAGES, _PAGES, PartitionSpec(), PartitionSpec()),
                   _HEADS)
     return fn(q, k_pages, v_pages, block_tables, seq_lens)

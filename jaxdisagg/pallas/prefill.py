@@ -12,6 +12,9 @@ Key s is visible to row r when s <= start + r // G (causal, the cached prefix
 included) and s < start + num_valid. The loop stops at the last page any row of
 the block can see, so a chunk at the start of a long table never reads the rest.
 
+Launch shape (row block, keys per step, warps, stages): `blocks.PrefillBlocks`,
+chosen by shape unless the deployment config sets it.
+
 Letters: T chunk tokens, R = T*G rows, BR rows per block, BK keys per step,
 K KV heads, G group, H head_dim, bs block size.
 """
@@ -25,11 +28,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-_NEG = -0.7 * float(jnp.finfo(jnp.float32).max)
+from jaxdisagg.pallas.blocks import PrefillBlocks, prefill_blocks, table_key
+from jaxdisagg.pallas.tiles import NEG, load_pages, padded_head_dim
 
 
 def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
-            pages_per_step: int, scale: float):
+            pages_per_step: int, scale: float, head_dim: int):
     o_ref = refs[-1]  # (an aliased init buffer, if any, comes first)
     i = pl.program_id(1)
     num_blocks, bs, h = k_ref.shape
@@ -49,68 +53,73 @@ def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
         acc, m, denom = carry
         pages = jnp.clip(table_ref[pl.ds(j * pages_per_step, pages_per_step)], 0,
                          num_blocks - 1)
-        k = k_ref[pages].reshape(step_keys, h)
-        v = v_ref[pages].reshape(step_keys, h)
-        logits = plgpu.dot(q, k, trans_b=True).astype(jnp.float32) * scale  # [BR, BK]
+        k = load_pages(k_ref, pages, head_dim).reshape(step_keys, h)
+        v = load_pages(v_ref, pages, head_dim).reshape(step_keys, h)
+        logits = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32) * scale  # [BR, BK]
         k_pos = j * step_keys + jax.lax.broadcasted_iota(jnp.int32, (rows, step_keys), 1)
-        logits = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), logits, _NEG)
+        logits = jnp.where((k_pos <= q_pos) & (k_pos < kv_len), logits, NEG)
         m_new = jnp.maximum(m, logits.max(axis=-1))
         p = jnp.exp(logits - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        acc = acc * alpha[:, None] + plgpu.dot(p.astype(v.dtype), v).astype(jnp.float32)
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                 preferred_element_type=jnp.float32)
+        acc = acc * alpha[:, None] + pv
         return acc, m_new, denom * alpha + p.sum(axis=-1)
 
-    init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
+    init = (jnp.zeros((rows, h), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
     acc, _, denom = jax.lax.fori_loop(0, steps, body, init)
     o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_rows",
-                                             "pages_per_step", "num_warps", "poison"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "blocks", "poison"))
 def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, *,
-                            scale: float, interpret: bool = False, block_rows: int = 64,
-                            pages_per_step: int | None = None, num_warps: int = 4,
-                            poison: bool = False):
+                            scale: float, interpret: bool = False,
+                            blocks: PrefillBlocks | None = None, poison: bool = False):
     """q [T, N, H] at positions start..; pages [NB, bs, K, H]; block_table [P] -> [T, N, H].
 
     Same contract as `reference.prefill_attention_ref` (the chunk's K/V already
-    written to the pages; rows past num_valid are padding). poison (tests): the
+    written to the pages; rows past num_valid are padding). blocks: the launch shape;
+    fields left None are chosen by shape (`blocks.py`). poison (tests): the
     output buffer starts as NaN, so any element the kernel fails to write shows.
     """
     t, n, h = q.shape
     nb, bs, kh, _ = k_pages.shape
     g = n // kh
     p = block_table.shape[0]
-    if pages_per_step is None:  # >= 16 keys a step: the minimum tensor-core tile
-        pages_per_step = min(max(1, 32 // bs), pl.next_power_of_2(p))
     rows = t * g
-    block_rows = min(block_rows, max(16, pl.next_power_of_2(rows)))
+    key = table_key(jax.devices()[0].device_kind, jnp.dtype(k_pages.dtype).name, g, h, bs)
+    launch = prefill_blocks(blocks, key=key, rows=rows, block_size=bs, head_dim=h, pages=p)
+    block_rows, pages_per_step = launch.block_rows, launch.keys_per_step // bs
     padded_rows = pl.cdiv(rows, block_rows) * block_rows
     padded_pages = pl.cdiv(p, pages_per_step) * pages_per_step
     table = jnp.pad(block_table.astype(jnp.int32), (0, padded_pages - p))
     # [T, K*G, H] -> [K, T*G, H]: row r of KV head k is token r // G, head k*G + r % G.
     qr = q.reshape(t, kh, g, h).transpose(1, 0, 2, 3).reshape(kh, rows, h)
-    qr = jnp.pad(qr, ((0, 0), (0, padded_rows - rows), (0, 0)))
+    hp = padded_head_dim(h)
+    qr = jnp.pad(qr, ((0, 0), (0, padded_rows - rows), (0, hp - h)))
     bounds = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(num_valid, jnp.int32)])
-    out_shape = jax.ShapeDtypeStruct((kh, padded_rows, h), q.dtype)
+    out_shape = jax.ShapeDtypeStruct((kh, padded_rows, hp), q.dtype)
     inits = [jnp.full(out_shape.shape, jnp.nan, q.dtype)] if poison else []
     out = pl.pallas_call(
-        functools.partial(_kernel, group=g, pages_per_step=pages_per_step, scale=scale),
+        functools.partial(_kernel, group=g, pages_per_step=pages_per_step, scale=scale,
+                          head_dim=h),
         grid=(kh, padded_rows // block_rows),
         in_specs=[
             pl.BlockSpec((padded_pages,), lambda k, i: (0,)),  # block table
             pl.BlockSpec((2,), lambda k, i: (0,)),  # start, num_valid
-            pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),  # query rows
-            pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # K pages, head k
-            pl.BlockSpec((nb, bs, None, h), lambda k, i: (0, 0, k, 0)),  # V pages, head k
+            pl.BlockSpec((None, block_rows, hp), lambda k, i: (k, i, 0)),  # query rows
+            pl.BlockSpec((nb, bs, None, hp), lambda k, i: (0, 0, k, 0)),  # K pages, head k
+            pl.BlockSpec((nb, bs, None, hp), lambda k, i: (0, 0, k, 0)),  # V pages, head k
         ] + [pl.BlockSpec(memory_space=pl.ANY)] * len(inits),
-        out_specs=pl.BlockSpec((None, block_rows, h), lambda k, i: (k, i, 0)),
+        out_specs=pl.BlockSpec((None, block_rows, hp), lambda k, i: (k, i, 0)),
         out_shape=out_shape,
         input_output_aliases={5: 0} if poison else {},
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=launch.num_warps,
+                                             num_stages=launch.num_stages),
         name="paged_prefill_attention",
     )(table, bounds, qr, k_pages, v_pages, *inits)
-    out = out[:, :rows].reshape(kh, t, g, h).transpose(1, 0, 2, 3)
+    out = out[:, :rows, :h].reshape(kh, t, g, h).transpose(1, 0, 2, 3)
     return out.reshape(t, n, h)
