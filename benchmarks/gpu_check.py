@@ -13,6 +13,7 @@ as soon as it ends (`--resume` skips parts already saved, so a cut-short run goe
 * `decode`: achieved GB/s of K/V read at Llama-3-8B's layout, B in {1, 32, 128} x
   context in {1k, 8k, 32k}, and at SmolLM2's and Qwen2.5-7B's, against the copy
   bandwidth and JAX's own `paged_attention` and `decode_attention.gqa`;
+* `splits`: the decode kernel with the split count forced, at batch 1 to 128;
 * `prefill`: a 2048-token chunk over prefixes {0, 8k, 32k}: TFLOP/s (causal FLOPs)
   against the matmul rate; at prefix 0 beside cuDNN (`jax.nn.dot_product_attention`)
   and JAX's Pallas flash attention.
@@ -198,6 +199,31 @@ def _prefill_call(q, k, v, table, start, valid, scale, interpret, blocks):
                                    interpret=interpret, blocks=blocks)
 
 
+def splits(smoke: bool, interpret: bool, ceil: dict) -> list[dict]:
+    """The decode kernel at Llama-3-8B's layout with the split count forced: how many
+    programs it takes to reach the bandwidth (the shape heuristic's TARGET_PROGRAMS)."""
+    rng = np.random.default_rng(5)
+    n, kh, h = 32, 8, 128
+    shapes = [(1, 64), (2, 64)] if smoke else [(1, 32768), (32, 8192), (32, 32768), (128, 8192)]
+    counts = (1, 2) if smoke else (2, 4, 8, 16, 32)
+    rows = []
+    for batch, context in shapes:
+        k, v, tables = paged_inputs(rng, batch, context, kh, h)
+        q = jnp.asarray(rng.standard_normal((batch, n, h)), DTYPE)
+        lens = jnp.full((batch,), context, jnp.int32)
+        kv_bytes = 2 * batch * context * kh * h * 2
+        for count in (None, *counts):
+            b = blk.DecodeBlocks(num_splits=count)
+            s = timed(_decode_call, q, k, v, tables, lens, h ** -0.5, interpret, b)
+            rows.append({"batch": batch, "context": context, "num_splits": count or "auto",
+                         "gbs": kv_bytes / s / 1e9})
+        print(f"  B={batch} ctx {context}: " + ", ".join(
+            f"{r['num_splits']}: {r['gbs']:.0f}" for r in rows[-len(counts) - 1:]) + " GB/s",
+              flush=True)
+        del k, v, tables
+    return rows
+
+
 def jax_paged(q, k, v, tables, lens, interpret):
     from jax.experimental.pallas.ops.gpu import paged_attention
 
@@ -344,6 +370,7 @@ def main(argv=None) -> int:
              ("correctness", lambda: correctness(args.smoke, interpret)),
              ("sweep", lambda: sweep(args.smoke, interpret, Path(args.table))),
              ("decode", lambda: decode_rows(args.smoke, interpret, result["ceilings"])),
+             ("splits", lambda: splits(args.smoke, interpret, result["ceilings"])),
              ("prefill", lambda: prefill_rows(args.smoke, interpret, result["ceilings"])))
     print(f"{result['device']}, jax {result['jax']}", flush=True)
     print(f"{'layout':>11}{'B':>6}{'context':>8}{'ours GB/s':>10}{'% copy':>8}"

@@ -32,9 +32,9 @@ if [[ $what == kernels || $what == all ]]; then
   cp jaxdisagg/pallas/tuned_blocks.json "$out/" 2>/dev/null
 fi
 if [[ $what == e2e || $what == all ]]; then
-  part 150 python3 benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
-  part 100 python3 benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
-  part 130 python3 benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  part 120 python3 benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
+  part 150 python3 benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  part 120 python3 benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
   if [[ ${#smoke[@]} -eq 0 ]]; then  # the serving programs' step times, for the simulator
     part 90 python3 -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \
       --calibrate "$out/calibration_gpu_llama3.2-1b.json"

@@ -7,10 +7,10 @@ CPU reference, and a two-process disaggregated deployment sharing the one GPU.
   served programs (Pallas kernels): a 512-token prefill chunk against the FLOP floor
   (FLOPs / measured bf16 matmul rate) and decode steps at B=1 and B=32 over 1024
   tokens of context against the bandwidth floor (weight + KV bytes / measured copy
-  bandwidth).
+  bandwidth), each through a pool instance as served, calls back to back.
 * `tokens`: SmolLM2's shapes in fp32 (full-precision products): greedy tokens of the
-  colocated engine on the GPU against the reference generator on the CPU, same
-  weights (built on the CPU, copied to the GPU).
+  colocated engine on the GPU against the reference generator on the CPU, the same
+  seed's weights.
 * `disagg`: `jaxdisagg launch` of a cross-process config with both pools on GPU 0
   (each process with its own memory fraction, KV over `jax.experimental.transfer`),
   the same greedy requests through the gRPC client, tokens against `tokens`' reference.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import median_seconds, write_result  # noqa: E402
+from common import write_result  # noqa: E402
 
 PROMPT_LENS, NEW_TOKENS = (5, 37, 100, 300), 24
 
@@ -61,55 +61,49 @@ def steps(smoke: bool) -> dict:
 
 
 def _model_steps(name, backend, context, batches, chunk, ceil, smoke) -> dict:
-    from flax import nnx
+    """A model's programs as a pool serves them (flat parameters, sampling on the
+    device), timed as the serving loop runs them: calls back to back, so the host's
+    dispatch of one overlaps the device's work on the previous."""
+    from gpu_check import timed
     from model_cpu import model_costs
 
-    from jaxdisagg.model import KVLayout, jit_serving_fns
+    from jaxdisagg.mesh.config import PoolConfig
+    from jaxdisagg.mesh.pool import PoolInstance
+    from jaxdisagg.model.sampling import row_params
     from jaxdisagg.model.weights import load_model
 
     model, _ = load_model(name, jnp.bfloat16)
     cfg = model.config
-    graphdef, state = nnx.split(model)
-    fns = jit_serving_fns(graphdef, backend=backend)
-    pages = context // 16 + 1
-    slots = max(batches)
-    layout = KVLayout.for_model(cfg, num_blocks=slots * pages + 1, block_size=16,
-                                dtype=jnp.bfloat16)
-    kv = [layout.allocate()]
-    rng = np.random.default_rng(0)
-    tables = jnp.asarray(rng.permutation(layout.num_blocks)[:slots * pages]
-                         .reshape(slots, pages), jnp.int32)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, chunk), jnp.int32)
     cost = model_costs(cfg, 2)
-
-    def prefill():
-        logits, kv[0] = fns.prefill(state, kv[0], prompt, jnp.int32(0), jnp.int32(chunk),
-                                    tables[0])
-        logits.block_until_ready()
-
-    row = {"params": cfg.num_params(), "prefill_tokens": chunk}
-    s = median_seconds(prefill, 5)
-    # model_costs counts a 512-token chunk's FLOPs (the chunk here in real runs).
-    flops = cost["prefill_flops"] * (chunk / 512 if smoke else 1)
-    row |= {"prefill_s": s, "prefill_tflops": flops / s / 1e12,
-            "prefill_floor_s": flops / (ceil["matmul_tflops"] * 1e12)}
-    _say(f"{name} prefill {chunk}: {s * 1e3:.2f} ms = {row['prefill_tflops']:.0f} TFLOP/s, "
-         f"floor {row['prefill_floor_s'] * 1e3:.2f} ms ({row['prefill_floor_s'] / s:.0%})")
+    pages = context // 16 + 1
+    rng = np.random.default_rng(0)
+    row = {"params": cfg.num_params(), "prefill_tokens": chunk, "context": context}
     for b in batches:
-        tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, b), jnp.int32)
-        pos = jnp.full((b,), context, jnp.int32)
-
-        def step(tokens=tokens, pos=pos, tab=tables[:b]):
-            logits, kv[0] = fns.decode(state, kv[0], tokens, pos, tab, pos + 1)
-            logits.block_until_ready()
-
-        s = median_seconds(step, 5 if smoke else 30)
+        pool = PoolConfig(devices=[0], num_blocks=b * pages + 1, block_size=16,
+                          chunk_size=chunk, max_slots=b, max_pages_per_request=pages)
+        inst = PoolInstance(name, model, [0], pool, backend=backend)
+        tables = rng.permutation(b * pages)[:b * pages].reshape(b, pages).astype(np.int32)
+        if b == batches[0]:
+            prompt = rng.integers(0, cfg.vocab_size, chunk).astype(np.int32)
+            s = timed(inst.prefill, prompt, 0, chunk, tables[0])
+            # model_costs counts a 512-token chunk's FLOPs (the chunk in real runs).
+            flops = cost["prefill_flops"] * (chunk / 512 if smoke else 1)
+            row |= {"prefill_s": s, "prefill_tflops": flops / s / 1e12,
+                    "prefill_floor_s": flops / (ceil["matmul_tflops"] * 1e12)}
+            _say(f"{name} prefill {chunk}: {s * 1e3:.2f} ms = {row['prefill_tflops']:.0f} "
+                 f"TFLOP/s, floor {row['prefill_floor_s'] * 1e3:.2f} ms "
+                 f"({row['prefill_floor_s'] / s:.0%} of the FLOP floor)")
+        tokens = rng.integers(0, cfg.vocab_size, b).astype(np.int32)
+        pos = np.full(b, context, np.int32)
+        rows = row_params([None] * b, 0, cfg.vocab_size)
+        s = timed(inst.decode, tokens, pos, tables, pos + 1, rows, calls=5 if smoke else 20)
         nbytes = cost["decode_weight_bytes"] + b * (context + 1) * cost["kv_bytes_per_token"]
         floor = nbytes / (ceil["copy_gbs"] * 1e9)
         row |= {f"decode_b{b}_s": s, f"decode_b{b}_floor_s": floor,
                 f"decode_b{b}_gbs": nbytes / s / 1e9}
         _say(f"{name} decode B={b} ctx {context}: {s * 1e3:.3f} ms, floor "
              f"{floor * 1e3:.3f} ms ({floor / s:.0%} of the bandwidth floor)")
+        del inst
     return row
 
 
@@ -154,9 +148,9 @@ def tokens(smoke: bool) -> dict:
         mode="colocated", model=ModelSpec(_model_name(smoke), "float32", backend),
         colocated=PoolConfig(devices=[0], num_blocks=128, block_size=16, chunk_size=64,
                              max_slots=4, max_pages_per_request=32))
-    # The weights are drawn on the CPU, as the reference's are, then copied to the GPU.
-    with jax.default_device(jax.devices("cpu")[0]):
-        engine = Engine.from_config(cfg)
+    # The same seed draws the same weights on the device (up to rounding in the normal
+    # sampler; the logits then differ at ~1e-6, the margins of greedy choices are larger).
+    engine = Engine.from_config(cfg)
     try:
         t0 = time.perf_counter()
         got = [r.token_ids for r in engine.generate(prompts,

@@ -9,8 +9,12 @@ the published FlashAttention / FlashDecoding choices:
 * decode is bandwidth-bound: long key steps (128 keys of H <= 128) so each program
   streams large contiguous tiles, and enough KV splits that B * K * splits programs
   fill the GPU twice over even at batch 1 (a 132-SM H100/H200 needs ~264);
-* prefill is compute-bound: 128 query rows by 64 keys per step with 8 warps for
-  head_dim > 64 (128 by 128 and 4 warps for smaller heads), two pipeline stages.
+* prefill is compute-bound: 128 query rows by 64 keys per step for head_dim > 64
+  (128 by 128 for smaller heads), 4 warps, two pipeline stages (the H200 sweep's
+  choice for Llama-3-8B's and Llama-3.2-1B's layouts in bf16);
+* fp32 pages (exact products, no tensor cores) hold twice the bytes per tile in
+  registers: half the keys per step and 64-row blocks, or ptxas runs out of registers
+  (seen on an H200: SmolLM2's fp32 prefill at 128 x 128 did not compile).
 
 Pure Python (no jax import): the config parser uses these types.
 """
@@ -104,11 +108,12 @@ def _pages_per_step(keys: int, block_size: int, pages: int) -> int:
 
 
 def decode_blocks(override: DecodeBlocks | None, *, key: str, batch: int, kv_heads: int,
-                  block_size: int, head_dim: int, pages: int) -> DecodeBlocks:
+                  block_size: int, head_dim: int, pages: int, itemsize: int = 2
+                  ) -> DecodeBlocks:
     """Concrete decode blocks for this call's shape (every field set)."""
+    keys = (128 if head_dim <= 128 else 64) // (2 if itemsize >= 4 else 1)
     b = _merge(override or DecodeBlocks(), _tuned().get("decode", {}).get(key),
-               DecodeBlocks(keys_per_step=128 if head_dim <= 128 else 64, num_warps=4,
-                            num_stages=2))
+               DecodeBlocks(keys_per_step=keys, num_warps=4, num_stages=2))
     per_step = _pages_per_step(b.keys_per_step, block_size, pages)
     steps = -(-pages // per_step)
     splits = b.num_splits or max(1, min(steps, -(-TARGET_PROGRAMS // (batch * kv_heads)), 64))
@@ -117,12 +122,13 @@ def decode_blocks(override: DecodeBlocks | None, *, key: str, batch: int, kv_hea
 
 
 def prefill_blocks(override: PrefillBlocks | None, *, key: str, rows: int, block_size: int,
-                   head_dim: int, pages: int) -> PrefillBlocks:
+                   head_dim: int, pages: int, itemsize: int = 2) -> PrefillBlocks:
     """Concrete prefill blocks for this call's shape (every field set)."""
-    big = head_dim > 64
+    wide = itemsize >= 4
+    keys = (64 if head_dim > 64 else 128) // (4 if wide else 1)
     b = _merge(override or PrefillBlocks(), _tuned().get("prefill", {}).get(key),
-               PrefillBlocks(block_rows=128, keys_per_step=64 if big else 128,
-                             num_warps=8 if big else 4, num_stages=2))
+               PrefillBlocks(block_rows=64 if wide else 128, keys_per_step=keys,
+                             num_warps=8 if wide and head_dim > 64 else 4, num_stages=2))
     per_step = _pages_per_step(b.keys_per_step, block_size, pages)
     block_rows = min(b.block_rows, max(16, _next_pow2(rows)))
     return dataclasses.replace(b, keys_per_step=per_step * block_size, block_rows=block_rows)

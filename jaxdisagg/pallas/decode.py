@@ -72,7 +72,8 @@ def _launch(q, k_pages, block_tables, blocks: DecodeBlocks | None) -> DecodeBloc
     _, bs, kh, _ = k_pages.shape
     key = table_key(jax.devices()[0].device_kind, jnp.dtype(k_pages.dtype).name, n // kh, h, bs)
     return decode_blocks(blocks, key=key, batch=b, kv_heads=kh, block_size=bs, head_dim=h,
-                         pages=block_tables.shape[1])
+                         pages=block_tables.shape[1],
+                         itemsize=jnp.dtype(k_pages.dtype).itemsize)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "blocks", "poison"))

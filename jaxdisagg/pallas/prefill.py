@@ -90,7 +90,8 @@ def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, 
     p = block_table.shape[0]
     rows = t * g
     key = table_key(jax.devices()[0].device_kind, jnp.dtype(k_pages.dtype).name, g, h, bs)
-    launch = prefill_blocks(blocks, key=key, rows=rows, block_size=bs, head_dim=h, pages=p)
+    launch = prefill_blocks(blocks, key=key, rows=rows, block_size=bs, head_dim=h, pages=p,
+                            itemsize=jnp.dtype(k_pages.dtype).itemsize)
     block_rows, pages_per_step = launch.block_rows, launch.keys_per_step // bs
     padded_rows = pl.cdiv(rows, block_rows) * block_rows
     padded_pages = pl.cdiv(p, pages_per_step) * pages_per_step
