@@ -129,7 +129,8 @@ def test_launch_shapes_come_from_the_config_then_the_table_then_the_shape(monkey
     shape = dict(key=key, batch=1, kv_heads=8, block_size=16, head_dim=128, pages=512)
     tuned = blk.decode_blocks(None, **shape)
     assert (tuned.keys_per_step, tuned.num_warps, tuned.num_stages) == (32, 8, 2)
-    assert tuned.num_splits == 33  # 8 KV heads x 33 splits >= 264 programs at batch 1
+    assert tuned.num_splits == 64  # batch 1, 8 KV heads: the most splits allowed
+    assert blk.decode_blocks(None, **(shape | {"batch": 32})).num_splits == 16  # 4096 programs
     assert blk.decode_blocks(DecodeBlocks(num_warps=2), **shape).num_warps == 2
     other = blk.decode_blocks(None, **(shape | {"key": "cpu|float32|g4|h128|bs16",
                                                  "batch": 64, "pages": 3}))
@@ -235,20 +236,28 @@ def test_model_with_pallas_interpret_matches_reference(tiny_model, tp):
 
 
 def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
-    """benchmarks/gpu_check.py is run for real only where a GPU is lent; its --smoke mode
-    runs every code path (ours and JAX's kernels, interpret mode) so it cannot rot."""
-    import importlib.util
+    """benchmarks/gpu_check.sh runs for real only where a GPU is lent; its --smoke mode
+    runs every path on CPU (our kernels and JAX's in interpret mode, the sweep, the step
+    times, the engine's tokens against the reference, two pool processes started by
+    `jaxdisagg launch`), so none of it can rot."""
     import json
+    import os
+    import subprocess
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path / "gpu_check.json"
-    assert module.main(["--smoke", "--out", str(out)]) == 0
-    result = json.loads(out.read_text())
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path)}
+    proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "all", "--smoke"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["correctness"]["ok"]
     for row in result["decode"]:
         assert {"ours_gbs", "jax_paged_gbs", "jax_gqa_gbs"} <= set(row), row
     assert all("tflops" in row for row in result["prefill"])
+    assert result["sweep"]["table"]["decode"] and result["splits"]
+    steps = json.loads((tmp_path / "gpu_e2e_steps.json").read_text())
+    assert {"prefill_s", "decode_b1_s", "decode_b2_s"} <= set(steps["models"]["tiny"])
+    for part in ("tokens", "disagg"):
+        got = json.loads((tmp_path / f"gpu_e2e_{part}.json").read_text())
+        assert got["requests_equal"] == got["requests"] == 3, got
