@@ -9,8 +9,8 @@
 #
 #   bash benchmarks/gpu_check.sh [kernels|e2e|all] [--smoke]
 #
-# Results go to $GPU_CHECK_OUT (default benchmarks/results). On a CPU machine,
-# `--smoke` runs every path at toy shapes (interpret mode).
+# Results and the log (gpu_check.log) go to $GPU_CHECK_OUT (default benchmarks/results).
+# On a CPU machine, `--smoke` runs every path at toy shapes (interpret mode).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONUNBUFFERED=1
@@ -19,6 +19,9 @@ out=${GPU_CHECK_OUT:-benchmarks/results}
 what=all smoke=()
 for a in "$@"; do case $a in --smoke) smoke=(--smoke) ;; *) what=$a ;; esac; done
 mkdir -p "$out"
+# The log goes to the output folder line by line as well: a run cut short by an outer
+# time limit keeps everything printed before the cut.
+exec > >(tee -a "$out/gpu_check.log") 2>&1
 python3 -c 'import jax, flax, grpc, google.protobuf as pb; print("jax", jax.__version__,
   jax.devices(), "flax", flax.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)'
 rc=0

@@ -137,6 +137,11 @@ def test_launch_shapes_come_from_the_config_then_the_table_then_the_shape(monkey
     assert (other.keys_per_step, other.num_splits) == (64, 1)  # 3 pages: one 4-page step
     with pytest.raises(ValueError, match="keys_per_step: must be a positive power of two"):
         DecodeBlocks(keys_per_step=24)
+    # fp32 tiles hold twice the bytes: smaller defaults, or ptxas runs out of registers
+    pre = dict(key="cpu|x", rows=4096, block_size=16, head_dim=128, pages=64)
+    assert blk.prefill_blocks(None, **pre) == PrefillBlocks(128, 64, 4, 2)
+    assert blk.prefill_blocks(None, **pre, itemsize=4) == PrefillBlocks(64, 16, 8, 2)
+    assert blk.prefill_blocks(None, **(pre | {"rows": 20})).block_rows == 32  # short chunk
 
 
 @pytest.mark.parametrize("tp", [2, 4])
