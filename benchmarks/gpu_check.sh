@@ -22,7 +22,8 @@ mkdir -p "$out"
 # The log goes to the output folder line by line as well: a run cut short by an outer
 # time limit keeps everything printed before the cut.
 exec > >(tee -a "$out/gpu_check.log") 2>&1
-python3 -c 'import jax, flax, grpc, google.protobuf as pb; print("jax", jax.__version__,
+py=${PYTHON:-python3}  # the interpreter with jax installed
+"$py" -c 'import jax, flax, grpc, google.protobuf as pb; print("jax", jax.__version__,
   jax.devices(), "flax", flax.__version__, "grpc", grpc.__version__, "protobuf", pb.__version__)'
 rc=0
 part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes on
@@ -31,15 +32,15 @@ part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes
   timeout "$limit" "$@" || { echo "=== exit $? from: $*"; rc=1; }
 }
 if [[ $what == kernels || $what == all ]]; then
-  part 270 python3 benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"
+  part 270 "$py" benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"
   cp jaxdisagg/pallas/tuned_blocks.json "$out/" 2>/dev/null
 fi
 if [[ $what == e2e || $what == all ]]; then
-  part 120 python3 benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
-  part 150 python3 benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
-  part 120 python3 benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
+  part 120 "$py" benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
+  part 150 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  part 120 "$py" benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
   if [[ ${#smoke[@]} -eq 0 ]]; then  # the serving programs' step times, for the simulator
-    part 90 python3 -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \
+    part 90 "$py" -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \
       --calibrate "$out/calibration_gpu_llama3.2-1b.json"
   fi
 fi

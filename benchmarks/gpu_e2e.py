@@ -146,8 +146,9 @@ def tokens(smoke: bool) -> dict:
     backend = "auto"  # on a GPU the Pallas kernels; in --smoke the CPU kernel (fast)
     cfg = DeploymentConfig(
         mode="colocated", model=ModelSpec(_model_name(smoke), "float32", backend),
-        colocated=PoolConfig(devices=[0], num_blocks=128, block_size=16, chunk_size=64,
-                             max_slots=4, max_pages_per_request=32))
+        colocated=PoolConfig(devices=[0], num_blocks=128, block_size=16,
+                             chunk_size=16 if smoke else 64, max_slots=4,
+                             max_pages_per_request=8 if smoke else 32))
     # The same seed draws the same weights on the device (up to rounding in the normal
     # sampler; the logits then differ at ~1e-6, the margins of greedy choices are larger).
     engine = Engine.from_config(cfg)
@@ -179,9 +180,9 @@ def disagg(smoke: bool, out_dir: Path) -> dict:
     config = f"""\
 mode: disaggregated
 model: {{name: {_model_name(smoke)}, dtype: float32, attention_backend: {backend}}}
-prefill: {{devices: [0], chunk_size: 64, num_blocks: 128, block_size: 16}}
+prefill: {{devices: [0], chunk_size: {16 if smoke else 64}, num_blocks: 128, block_size: 16}}
 decode: {{devices: [0], max_slots: 4, num_blocks: 128, block_size: 16,
-          max_pages_per_request: 32}}
+          max_pages_per_request: {8 if smoke else 32}}}
 transfer: {{kind: cross_process, layer_streaming: false}}
 """
     env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",

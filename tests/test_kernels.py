@@ -248,10 +248,11 @@ def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     import json
     import os
     import subprocess
+    import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path)}
+    env = {**os.environ, "GPU_CHECK_OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(["bash", str(root / "benchmarks" / "gpu_check.sh"), "all", "--smoke"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
