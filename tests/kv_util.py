@@ -9,9 +9,9 @@ from jaxdisagg.mesh.pool import PoolInstance
 from jaxdisagg.model.sampling import row_params
 
 
-def make_pool(model, devices, tp, group=2, backend="auto"):
+def make_pool(model, devices, tp, group=2, backend="auto", **pool):
     cfg = PoolConfig(devices=devices, tp=tp, num_blocks=24, block_size=8, chunk_size=16,
-                     max_slots=3, max_pages_per_request=8)
+                     max_slots=3, max_pages_per_request=8, **pool)
     return PoolInstance("pool", model, devices, cfg, layer_group_size=group, backend=backend)
 
 

@@ -213,15 +213,27 @@ def test_kernels_lower_for_cuda_through_triton(n, k, h, bs, dtype):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_model_with_pallas_interpret_matches_reference(tiny_model, tp):
+def test_model_with_pallas_interpret_matches_reference(tiny_model, tp, monkeypatch):
     """The whole model on a pool with the kernels (under shard_map for tp=2): the same
-    logits as the reference generator at every step, so the same greedy tokens."""
+    logits as the reference generator at every step, so the same greedy tokens. At tp=1
+    the pool's config sets the kernels' launch shapes (3 splits, 16-key steps, 16-row
+    prefill blocks): they reach the kernels and change nothing but the schedule."""
     from kv_util import make_pool
 
     from jaxdisagg.mesh.deployment import prefill_request
     from jaxdisagg.model import ReferenceGenerator, SamplingParams
+    from jaxdisagg.pallas import decode as decode_module
+    from jaxdisagg.pallas import prefill as prefill_module
 
-    inst = make_pool(tiny_model, list(range(tp)), tp, backend="pallas_interpret")
+    shapes = {} if tp > 1 else {
+        "decode_kernel": DecodeBlocks(keys_per_step=16, num_splits=3),
+        "prefill_kernel": PrefillBlocks(block_rows=16, keys_per_step=16)}
+    seen = []  # the launch shapes each kernel was traced with
+    for module, name in ((decode_module, "decode_blocks"), (prefill_module, "prefill_blocks")):
+        chosen = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda o, *a, chosen=chosen, **k: (
+            seen.append(o), chosen(o, *a, **k))[1])
+    inst = make_pool(tiny_model, list(range(tp)), tp, backend="pallas_interpret", **shapes)
     prompt = np.random.default_rng(5).integers(0, 256, 29).tolist()
     steps, ref_logits = 4, []
     want = list(ReferenceGenerator(tiny_model).stream(
@@ -238,6 +250,8 @@ def test_model_with_pallas_interpret_matches_reference(tiny_model, tp):
         logits = np.asarray(inst.decode_logits(tokens, positions, tables, lens))
         np.testing.assert_allclose(logits[0], ref_logits[step][0], atol=1e-5, rtol=0)
         assert int(logits[0].argmax()) == want[step][0]
+    if shapes:
+        assert set(shapes.values()) <= set(seen)
 
 
 def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
