@@ -13,7 +13,8 @@ the published FlashAttention / FlashDecoding choices:
   (128 by 128 for smaller heads), 4 warps, two pipeline stages (the H200 sweep's
   choice for Llama-3-8B's and Llama-3.2-1B's layouts in bf16);
 * fp32 pages (exact products, no tensor cores) hold twice the bytes per tile in
-  registers: half the keys per step and 64-row blocks, or ptxas runs out of registers
+  registers: a half (decode) or a quarter (prefill) of the keys per step and 64-row
+  blocks, or ptxas runs out of registers
   (seen on an H200: SmolLM2's fp32 prefill at 128 x 128 did not compile).
 
 Pure Python (no jax import): the config parser uses these types.
