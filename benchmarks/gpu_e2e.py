@@ -16,7 +16,8 @@ CPU reference, and a two-process disaggregated deployment sharing the one GPU.
   the same greedy requests through the gRPC client, tokens against `tokens`' reference.
 
 Each part prints its rows as it goes and writes `gpu_e2e_<part>.json`. `--smoke` runs
-the same paths at toy shapes on CPU (interpret-mode kernels), so a test keeps them.
+the same paths at toy shapes on CPU (`steps` with interpret-mode kernels, the engines
+with the CPU kernel), so a test keeps them.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import numpy as np  # noqa: E402
 from common import write_result  # noqa: E402
 
 PROMPT_LENS, NEW_TOKENS = (5, 37, 100, 300), 24
+SERVED = "auto"  # the engines' attention: the Pallas kernels on a GPU, the CPU kernel in --smoke
 
 
 def _say(*parts) -> None:
@@ -143,9 +145,8 @@ def tokens(smoke: bool) -> dict:
 
     jax.config.update("jax_default_matmul_precision", "highest")
     prompts, want = reference_tokens(smoke)
-    backend = "auto"  # on a GPU the Pallas kernels; in --smoke the CPU kernel (fast)
     cfg = DeploymentConfig(
-        mode="colocated", model=ModelSpec(_model_name(smoke), "float32", backend),
+        mode="colocated", model=ModelSpec(_model_name(smoke), "float32", SERVED),
         colocated=PoolConfig(devices=[0], num_blocks=128, block_size=16,
                              chunk_size=16 if smoke else 64, max_slots=4,
                              max_pages_per_request=8 if smoke else 32))
@@ -176,10 +177,9 @@ def disagg(smoke: bool, out_dir: Path) -> dict:
         prompts, want = saved["prompts"], saved["reference"]
     else:
         prompts, want = reference_tokens(smoke)
-    backend = "auto"  # on a GPU the Pallas kernels; in --smoke the CPU kernel (fast)
     config = f"""\
 mode: disaggregated
-model: {{name: {_model_name(smoke)}, dtype: float32, attention_backend: {backend}}}
+model: {{name: {_model_name(smoke)}, dtype: float32, attention_backend: {SERVED}}}
 prefill: {{devices: [0], chunk_size: {16 if smoke else 64}, num_blocks: 128, block_size: 16}}
 decode: {{devices: [0], max_slots: 4, num_blocks: 128, block_size: 16,
           max_pages_per_request: {8 if smoke else 32}}}

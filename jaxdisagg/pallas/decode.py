@@ -26,8 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxdisagg.pallas.blocks import DecodeBlocks, decode_blocks, table_key
-from jaxdisagg.pallas.tiles import NEG, load_pages, padded_head_dim
+from jaxdisagg.pallas.blocks import DecodeBlocks, decode_blocks
+from jaxdisagg.pallas.tiles import NEG, layout_key, load_pages, padded_head_dim
 
 
 def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, pages_per_split: int,
@@ -70,10 +70,9 @@ def _kernel(tables_ref, lens_ref, q_ref, k_ref, v_ref, *refs, pages_per_split: i
 def _launch(q, k_pages, block_tables, blocks: DecodeBlocks | None) -> DecodeBlocks:
     b, n, h = q.shape
     _, bs, kh, _ = k_pages.shape
-    key = table_key(jax.devices()[0].device_kind, jnp.dtype(k_pages.dtype).name, n // kh, h, bs)
+    key, itemsize = layout_key(k_pages, n // kh)
     return decode_blocks(blocks, key=key, batch=b, kv_heads=kh, block_size=bs, head_dim=h,
-                         pages=block_tables.shape[1],
-                         itemsize=jnp.dtype(k_pages.dtype).itemsize)
+                         pages=block_tables.shape[1], itemsize=itemsize)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "blocks", "poison"))

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxdisagg.pallas.blocks import PrefillBlocks, prefill_blocks, table_key
-from jaxdisagg.pallas.tiles import NEG, load_pages, padded_head_dim
+from jaxdisagg.pallas.blocks import PrefillBlocks, prefill_blocks
+from jaxdisagg.pallas.tiles import NEG, layout_key, load_pages, padded_head_dim
 
 
 def _kernel(table_ref, bounds_ref, q_ref, k_ref, v_ref, *refs, group: int,
@@ -89,9 +89,9 @@ def paged_prefill_attention(q, k_pages, v_pages, block_table, start, num_valid, 
     g = n // kh
     p = block_table.shape[0]
     rows = t * g
-    key = table_key(jax.devices()[0].device_kind, jnp.dtype(k_pages.dtype).name, g, h, bs)
+    key, itemsize = layout_key(k_pages, g)
     launch = prefill_blocks(blocks, key=key, rows=rows, block_size=bs, head_dim=h, pages=p,
-                            itemsize=jnp.dtype(k_pages.dtype).itemsize)
+                            itemsize=itemsize)
     block_rows, pages_per_step = launch.block_rows, launch.keys_per_step // bs
     padded_rows = pl.cdiv(rows, block_rows) * block_rows
     padded_pages = pl.cdiv(p, pages_per_step) * pages_per_step

@@ -14,11 +14,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxdisagg.pallas.blocks import table_key
+
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked logits: exp() underflows to 0
 
 
 def padded_head_dim(h: int) -> int:
     return pl.next_power_of_2(h)
+
+
+def layout_key(k_pages, group: int) -> tuple[str, int]:
+    """(tuned-table key, bytes per element) of a call on these pages [NB, bs, K, H]:
+    the device kind, dtype, group, head dim and block size choose its launch shape."""
+    _, bs, _, h = k_pages.shape
+    dtype = jnp.dtype(k_pages.dtype)
+    return table_key(jax.devices()[0].device_kind, dtype.name, group, h, bs), dtype.itemsize
 
 
 def load_pages(ref, pages, head_dim: int):
