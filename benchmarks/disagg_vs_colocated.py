@@ -77,7 +77,7 @@ EXPERIMENTS = {
         "config": "configs/cpu-smollm2-2proc.yaml", "candidates": [(128, 8), (64, 8)],
         "long": {"prompt": ("uniform", 300, 600), "output": 24, "requests": 12,
                  "slo": (6000, 250), "coarse": (0.1, 0.2, 0.4),
-                 "rates": (0.1, 0.15, 0.2, 0.3, 0.4)},
+                 "rates": (0.1, 0.15, 0.2, 0.25, 0.3, 0.4)},
         "short": {"prompt": ("uniform", 16, 64), "output": 24, "requests": 12,
                   "window_s": 12, "slo": (4000, 400), "coarse": (1, 3, 5),
                   "rates": (1, 2, 3, 4, 5, 6)},
