@@ -6,8 +6,10 @@ colocated deployments for Llama-3-8B and Llama-2-7B on H100 and H200, on a
 
 Step times are the roofline's (sustained rates in `jaxdisagg.roofline.HARDWARE`)
 plus a fixed per-call overhead: 2 ms, or the decode intercept measured on a GPU by
-`bash benchmarks/gpu_check.sh` (benchmarks/results/calibration_gpu_*.json) when a
-task had one. Writes benchmarks/plan_study.md and results/plan_study.json.
+`bash benchmarks/gpu_check.sh` (benchmarks/results/gpu/calibration_gpu_*.json) when a
+task had one. That step model is then checked against the whole-model step times the
+same GPU check measured on other models (results/gpu/gpu_e2e_steps.json), which the
+calibration did not see. Writes benchmarks/plan_study.md and results/plan_study.json.
 """
 
 import argparse
@@ -34,13 +36,58 @@ WORKLOADS = {  # prompt lengths, output, TTFT SLO (ms), TPOT SLOs (ms), tight to
 }
 
 
-def overhead() -> tuple[float, str]:
-    files = sorted((ROOT / "benchmarks" / "results").glob("calibration_gpu_*.json"))
+GPU_RESULTS = ROOT / "benchmarks" / "results" / "gpu"
+ASSUMED_OVERHEAD_S = 2e-3
+
+
+def overhead(results: Path = GPU_RESULTS) -> tuple[float, str]:
+    """The per-call overhead: a GPU calibration's decode intercept (what one decode
+    call of our served program costs beyond its bytes), else an assumed 2 ms."""
+    files = sorted(results.glob("calibration_gpu_*.json"))
     if not files:
-        return 2e-3, "2 ms per program call (assumed: no GPU calibration recorded)"
+        return ASSUMED_OVERHEAD_S, "2 ms per program call (assumed: no GPU calibration recorded)"
     pools, _ = sim.load_calibration(files[-1])
     d0 = next(iter(pools.values())).decode[0]
     return d0, f"{d0 * 1e3:.2f} ms per call, measured on a GPU ({files[-1].name})"
+
+
+def hardware_of(device: str) -> str | None:
+    """The `roofline.HARDWARE` entry of a device kind ("NVIDIA H200" -> "h200")."""
+    return next((k for k, h in rl.HARDWARE.items() if h.rates == "sustained"
+                 and h.name.split()[0] in device), None)
+
+
+def _steps(costs: sim.RooflineCosts, chunk: int, ctx: int) -> tuple[float, float, float]:
+    return (costs.prefill_s(chunk, 0), costs.decode_s(1, ctx, ctx),
+            costs.decode_s(32, 32 * ctx, ctx))
+
+
+def validation(over: float, results: Path = GPU_RESULTS) -> list[dict]:
+    """The study's step model (sustained rates + `over` per call, and the assumed 2 ms
+    beside it) against whole-model step times measured on a GPU: a 512-token prefill
+    and decode at B=1 and B=32 over 1024 tokens of context, bf16, tp 1."""
+    path = results / "gpu_e2e_steps.json"
+    if not path.exists():
+        return []
+    meas = json.loads(path.read_text())
+    hw_name = hardware_of(meas["device"])
+    if hw_name is None:
+        return []
+    rows = []
+    for name, m in meas["models"].items():
+        cfg = get_preset(name)
+        model = rl.Model.from_config(cfg, 2)
+        ctx = m.get("context", 1024) + 1
+        pred = {f"{o * 1e3:.2f}": _steps(sim.RooflineCosts(
+            model, rl.HARDWARE[hw_name], 1, o, hidden=cfg.hidden_size, layers=cfg.num_layers),
+            m["prefill_tokens"], ctx) for o in (over, ASSUMED_OVERHEAD_S)}
+        for k, (step, key) in enumerate((("prefill 512", "prefill_s"),
+                                         ("decode B=1", "decode_b1_s"),
+                                         ("decode B=32", "decode_b32_s"))):
+            rows.append({"model": name, "hardware": hw_name, "device": meas["device"],
+                         "date": meas.get("date"), "step": step, "measured_s": m[key],
+                         "predicted_s": {o: v[k] for o, v in pred.items()}})
+    return rows
 
 
 def main() -> int:
@@ -49,6 +96,7 @@ def main() -> int:
     args = p.parse_args()
     models, hws = (MODELS[:1], HARDWARE[:1]) if args.quick else (MODELS, HARDWARE)
     over, over_text = overhead()
+    checked = validation(over)
     search = planner.Search(overhead_s=over)
     rows = []
     for model in models:
@@ -68,8 +116,9 @@ def main() -> int:
                           file=sys.stderr, flush=True)
     out = ROOT / "benchmarks" / "results" / "plan_study.json"
     out.write_text(json.dumps({"rows": rows, "overhead": over_text, "gpus": GPUS,
+                               "validation": checked,
                                "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
-    (ROOT / "benchmarks" / "plan_study.md").write_text(render(rows, over_text))
+    (ROOT / "benchmarks" / "plan_study.md").write_text(render(rows, over_text, checked))
     print(f"wrote {out} and benchmarks/plan_study.md")
     return 0
 
@@ -82,7 +131,7 @@ def _unit(c: dict, d: dict) -> tuple[str, str]:
     return col, dis
 
 
-def render(rows: list[dict], over_text: str) -> str:
+def render(rows: list[dict], over_text: str, checked: list[dict]) -> str:
     lines = [
         "# What the simulator predicts on GPUs: xPyD plans for Llama-3-8B and Llama-2-7B",
         "",
@@ -92,10 +141,12 @@ def render(rows: list[dict], over_text: str) -> str:
         "times: the roofline at sustained rates (bf16) plus " + over_text + ". Goodput "
         "is the highest request rate with 90% of requests within both SLOs, per GPU.",
         "",
-        "These are predictions, not measurements: no GPU ran them. On this machine the same "
-        "simulator, calibrated, is checked against measured runs "
-        "(`benchmarks/disagg_vs_colocated.md`).",
-        "",
+        "These are predictions, not measurements: no GPU ran these deployments. The step "
+        "model they rest on is checked against step times measured on a GPU below; on the "
+        "2-core CPU the same simulator, calibrated, is checked against measured serving "
+        "runs (`benchmarks/disagg_vs_colocated.md`).",
+        ""] + render_validation(checked) + [
+        "## The plans", "",
         "| model | GPU | prompts | TTFT / TPOT SLO ms | colocated req/s/GPU | "
         "disaggregated req/s/GPU | gain | best colocated | best disaggregated unit | "
         "search s |", "|---" * 10 + "|"]
@@ -109,6 +160,28 @@ def render(rows: list[dict], over_text: str) -> str:
                      f"{r['seconds']:.0f} |")
     lines += ["", "## What it says", ""] + findings(rows)
     return "\n".join(lines) + "\n"
+
+
+def render_validation(checked: list[dict]) -> list[str]:
+    if not checked:
+        return ["No GPU step times are recorded, so the step model is unchecked on a GPU.", ""]
+    overs = list(checked[0]["predicted_s"])
+    lines = [f"## The step model against a GPU ({checked[0]['device']}, "
+             f"{checked[0]['date']})", "",
+             "Whole-model steps of our served programs (random weights, bf16, Pallas "
+             "kernels, calls back to back) measured by `benchmarks/gpu_e2e.py steps`, one "
+             "run each, against the study's step model: the roofline at the "
+             f"`{checked[0]['hardware']}` sustained rates plus a per-call overhead. The "
+             "overhead comes from a calibration on another model (Llama-3.2-1B), so these "
+             "models are out of sample.", "",
+             "| model | step | measured ms | " + " | ".join(
+                 f"predicted, {o} ms per call (error)" for o in overs) + " |",
+             "|---" * (3 + len(overs)) + "|"]
+    for r in checked:
+        cells = " | ".join(f"{p * 1e3:.2f} ({p / r['measured_s'] - 1:+.0%})"
+                           for p in r["predicted_s"].values())
+        lines.append(f"| {r['model']} | {r['step']} | {r['measured_s'] * 1e3:.2f} | {cells} |")
+    return lines + [""]
 
 
 def findings(rows: list[dict]) -> list[str]:

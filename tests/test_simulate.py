@@ -350,3 +350,44 @@ def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys)
     alone, loaded = [[1, 64, 0.10], [8, 64, 0.20]], [[1, 64, 0.15], [8, 64, 0.30]]
     assert contention(alone, loaded) == pytest.approx(1.5)
     assert contention([[1, 64, 0.10]], [[1, 64, 0.09]]) == 1.0  # never a speed-up
+
+
+def _plan_study():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "plan_study.py")
+    spec = importlib.util.spec_from_file_location("plan_study", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plan_study_takes_the_gpu_overhead_and_checks_its_step_model(tmp_path):
+    study = _plan_study()
+    assert study.overhead(tmp_path)[0] == study.ASSUMED_OVERHEAD_S
+    assert study.validation(1e-3, tmp_path) == []
+    assert (study.hardware_of("NVIDIA H200"), study.hardware_of("NVIDIA H100 80GB HBM3"),
+            study.hardware_of("cpu")) == ("h200", "h100-sxm", None)
+
+    # A calibration's decode intercept becomes the per-call overhead.
+    fitted = sim.FittedCosts((1e-3, 0.0, 0.0), (3e-3, 0.0, 0.0, 0.0), (1024,))
+    sim.save_calibration(tmp_path / "calibration_gpu_x.json", {"colocated": (fitted, {})},
+                         {"config": "c.yaml"})
+    assert study.overhead(tmp_path)[0] == pytest.approx(3e-3)
+
+    # Steps measured exactly as the step model predicts them at 3 ms per call show no
+    # error at 3 ms, and the assumed 2 ms under-predicts each by 1 ms.
+    cfg = get_preset("llama3-8b")
+    costs = sim.RooflineCosts(rl.Model.from_config(cfg, 2), rl.HARDWARE["h200"], 1, 3e-3,
+                              hidden=cfg.hidden_size, layers=cfg.num_layers)
+    steps = {"prefill_tokens": 512, "context": 1024, "prefill_s": costs.prefill_s(512, 0),
+             "decode_b1_s": costs.decode_s(1, 1025, 1025),
+             "decode_b32_s": costs.decode_s(32, 32 * 1025, 1025)}
+    (tmp_path / "gpu_e2e_steps.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "date": "d", "models": {"llama3-8b": steps}}))
+    rows = study.validation(3e-3, tmp_path)
+    assert [r["step"] for r in rows] == ["prefill 512", "decode B=1", "decode B=32"]
+    for r in rows:
+        assert r["predicted_s"]["3.00"] == pytest.approx(r["measured_s"])
+        assert r["predicted_s"]["2.00"] == pytest.approx(r["measured_s"] - 1e-3)
+    table = "\n".join(study.render_validation(rows))
+    assert "| llama3-8b | decode B=32 |" in table and "(+0%)" in table
