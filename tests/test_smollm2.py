@@ -141,10 +141,10 @@ def test_logits_match_transformers(ours, hf, prompts):
     """Against transformers in fp32 the logits agree to 2e-4 over 30 layers; against
     transformers in fp64 (the exact answer for these weights) ours are within 2e-4
     (~5e-6 of the largest logit) and within a small factor of transformers' own fp32
-    error: the gap between the two fp32 runs is rounding. The factor depends on the CPU,
-    since XLA's and torch's products sum in orders their vector width decides: 1.25x on
-    an AVX-512 machine, 1.9x on an AVX2 EPYC; a wrong weight or a bf16 step would be
-    orders of magnitude off."""
+    error: the gap between the two fp32 runs is rounding. The factor depends on the CPU
+    (XLA and torch choose their products' kernels, hence summation orders, per CPU):
+    under 1.25x on the earlier development machine, 1.9x on an AMD EPYC without AVX-512.
+    A wrong weight or a bf16 step would be orders of magnitude off."""
     model, _ = ours
     hf_model, _ = hf
     got = ReferenceGenerator(model).prompt_logits(prompts[:3])
