@@ -57,9 +57,11 @@ def hardware_of(device: str) -> str | None:
                  and h.name.split()[0] in device), None)
 
 
-def _steps(costs: sim.RooflineCosts, chunk: int, ctx: int) -> tuple[float, float, float]:
-    return (costs.prefill_s(chunk, 0), costs.decode_s(1, ctx, ctx),
-            costs.decode_s(32, 32 * ctx, ctx))
+def _steps(costs: sim.RooflineCosts, chunk: int, ctx: int) -> dict[str, tuple[str, float]]:
+    """{the GPU check's key for a step: (its label, the model's time for it)}."""
+    return {"prefill_s": (f"prefill {chunk}", costs.prefill_s(chunk, 0)),
+            **{f"decode_b{b}_s": (f"decode B={b}", costs.decode_s(b, b * ctx, ctx))
+               for b in (1, 32)}}
 
 
 def validation(over: float, results: Path = GPU_RESULTS) -> list[dict]:
@@ -81,12 +83,10 @@ def validation(over: float, results: Path = GPU_RESULTS) -> list[dict]:
         pred = {f"{o * 1e3:.2f}": _steps(sim.RooflineCosts(
             model, rl.HARDWARE[hw_name], 1, o, hidden=cfg.hidden_size, layers=cfg.num_layers),
             m["prefill_tokens"], ctx) for o in (over, ASSUMED_OVERHEAD_S)}
-        for k, (step, key) in enumerate((("prefill 512", "prefill_s"),
-                                         ("decode B=1", "decode_b1_s"),
-                                         ("decode B=32", "decode_b32_s"))):
+        for key, (step, _) in next(iter(pred.values())).items():
             rows.append({"model": name, "hardware": hw_name, "device": meas["device"],
                          "date": meas.get("date"), "step": step, "measured_s": m[key],
-                         "predicted_s": {o: v[k] for o, v in pred.items()}})
+                         "predicted_s": {o: v[key][1] for o, v in pred.items()}})
     return rows
 
 
