@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# The GPU check, sized for one lent GPU and 10 minutes: the Pallas kernels
-# (benchmarks/gpu_check.py: correctness on every real head layout, a launch-shape sweep
-# that updates jaxdisagg/pallas/tuned_blocks.json, speed beside JAX's own kernels and
-# cuDNN), then end to end (benchmarks/gpu_e2e.py: step times against their floors, greedy
-# tokens against the CPU reference, a two-process deployment sharing the GPU), then the
-# simulator's calibration. Every part prints as it goes and writes its JSON when it ends;
-# each has its own time limit, so one that hangs cannot take the others with it.
+# The GPU check, sized for one lent GPU and 10 minutes: greedy tokens against the CPU
+# reference, in one process and in a two-process deployment sharing the GPU
+# (benchmarks/gpu_e2e.py), then the Pallas kernels (benchmarks/gpu_check.py: correctness
+# on every real head layout, a launch-shape sweep that updates
+# jaxdisagg/pallas/tuned_blocks.json, speed beside JAX's own kernels and cuDNN), then
+# whole-model step times against their floors and the simulator's calibration. Every
+# part prints as it goes and writes its JSON when it ends; each has its own time limit,
+# so one that hangs cannot take the others with it.
 #
 #   bash benchmarks/gpu_check.sh [kernels|e2e|all] [--smoke]
 #
@@ -31,13 +32,17 @@ part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes
   echo "=== $* (limit ${limit}s)"
   timeout "$limit" "$@" || { echo "=== exit $? from: $*"; rc=1; }
 }
+# In `all`, the end-to-end token checks run first: they are the correctness anchor, and
+# a run cut short by the lease keeps them. Then the kernels, then the timings.
+if [[ $what == e2e || $what == all ]]; then
+  part 120 "$py" benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
+  part 150 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+fi
 if [[ $what == kernels || $what == all ]]; then
   part 270 "$py" benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"
   cp jaxdisagg/pallas/tuned_blocks.json "$out/" 2>/dev/null
 fi
 if [[ $what == e2e || $what == all ]]; then
-  part 120 "$py" benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
-  part 150 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
   part 120 "$py" benchmarks/gpu_e2e.py steps --out-dir "$out" "${smoke[@]}"
   if [[ ${#smoke[@]} -eq 0 ]]; then  # the serving programs' step times, for the simulator
     part 90 "$py" -m jaxdisagg.cli simulate --config configs/gpu-1-colocated.yaml \

@@ -83,6 +83,19 @@ def test_prefill_kernel_matches_reference(g, h, bs):
     assert not np.isnan(np.asarray(got)).any()  # padded rows are written too
 
 
+@pytest.mark.parametrize("block_rows", [16, 32])
+def test_prefill_unmasked_steps_and_row_order(block_rows):
+    """Small tiles over a 37-token prefix: each row block runs 1-3 key steps without the
+    mask before its diagonal steps, and the blocks run last first; every row still
+    equals the reference."""
+    q, k, v, table, start, nv = prefill_inputs(11, 2, 64, 16, jnp.float32, 37, chunk=32)
+    got = paged_prefill_attention(q, k, v, table, start, nv, scale=0.125, interpret=True,
+                                  poison=True, blocks=PrefillBlocks(block_rows=block_rows,
+                                                                    keys_per_step=16))
+    want = prefill_attention_ref(q, k, v, table, start, nv, scale=0.125)
+    check(got[:int(nv)], want[:int(nv)], jnp.float32)
+
+
 def test_prefill_blocks_of_padding_skip_their_work():
     """A 64-token chunk holding 5 real tokens: the row blocks made only of padding read
     no keys and write zeros (not NaN); the real rows still match the reference."""

@@ -17,6 +17,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxdisagg.pallas.blocks import table_key
 
 NEG = -0.7 * float(jnp.finfo(jnp.float32).max)  # masked logits: exp() underflows to 0
+LOG2E = 1.4426950408889634  # exp(x) = exp2(x * LOG2E)
 
 
 def padded_head_dim(h: int) -> int:
