@@ -53,6 +53,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from jaxdisagg import bench  # noqa: E402
 from jaxdisagg import roofline as rl  # noqa: E402
 from jaxdisagg import simulate as sim  # noqa: E402
+from jaxdisagg.cli import pool_cores  # noqa: E402
 from jaxdisagg.mesh.config import load_config  # noqa: E402
 from jaxdisagg.model.config import get_preset  # noqa: E402
 
@@ -178,14 +179,16 @@ def _calibrate_one(path: Path, config: str, pool: str, cores: str | None) -> Non
 
 def calibrate(model: str, kind: str, disagg: str, colocated: str,
               names=POOLS) -> dict[str, str]:
-    """Calibration files per deployment: the pinned pools one per core, the colocated
-    pool unpinned. Each disaggregated pool is measured twice: alone, and while the
-    other pool runs its heaviest program on the other core (`simulate --busy`), for
+    """Calibration files per deployment: the pinned pools on their halves of the cores,
+    the colocated pool unpinned. Each disaggregated pool is measured twice: alone, and
+    while the other pool runs its heaviest program on the other half (`simulate --busy`), for
     the slowdown that sharing the memory bus and cache costs (`PoolSpec.contended`).
     Pools not in `names` keep their files from the last calibration."""
     out = {}
-    jobs = [("prefill", disagg, "prefill", "0", "decode"),
-            ("decode", disagg, "decode", "1", "prefill"),
+    # The cores `launch` pins each pool to (one each on a 2-core machine).
+    halves = [",".join(map(str, h)) for h in pool_cores(os.sched_getaffinity(0))]
+    jobs = [("prefill", disagg, "prefill", halves[0], "decode"),
+            ("decode", disagg, "decode", halves[1], "prefill"),
             ("colocated", colocated, "colocated", None, None)]
     for name, config, pool, cores, neighbour in jobs:
         path = RESULTS / f"calibration_{model}_{kind}_{name}.json"
@@ -201,9 +204,9 @@ def calibrate(model: str, kind: str, disagg: str, colocated: str,
         if neighbour is None:
             continue
         loaded = RESULTS / f"calibration_{model}_{kind}_{name}_loaded.json"
-        log(f"calibrating {name} while {neighbour} runs on the other core")
+        log(f"calibrating {name} while {neighbour} runs on the other cores")
         load, _ = start("simulate", "--config", config, "--busy", neighbour, "--cores",
-                        "1" if cores == "0" else "0")
+                        halves[1] if cores == halves[0] else halves[0])
         try:
             _calibrate_one(loaded, config, pool, cores)
         finally:

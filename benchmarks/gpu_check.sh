@@ -36,7 +36,7 @@ part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes
 # a run cut short by the lease keeps them. Then the kernels, then the timings.
 if [[ $what == e2e || $what == all ]]; then
   part 120 "$py" benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
-  part 150 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  part 200 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
 fi
 if [[ $what == kernels || $what == all ]]; then
   part 270 "$py" benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"

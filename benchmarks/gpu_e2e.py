@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -168,6 +169,12 @@ def tokens(smoke: bool) -> dict:
     return out
 
 
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def disagg(smoke: bool, out_dir: Path) -> dict:
     from jaxdisagg.serve.client import Client
 
@@ -194,9 +201,12 @@ transfer: {{kind: cross_process, layer_streaming: false}}
         path = Path(d) / "one-gpu-2proc.yaml"
         path.write_text(config)
         t0 = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "launch", "--config",
-                                 str(path), "--port", "0"], stdout=subprocess.PIPE, text=True,
-                                env=env, cwd=ROOT)
+        # INFO: each pool logs its warm-up programs as they compile (a slow start shows
+        # as progress); the launcher dies with this script, its pools with it.
+        proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "--log-level", "INFO",
+                                 "launch", "--config", str(path), "--port", "0"],
+                                stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                                preexec_fn=_die_with_parent)
         try:
             line = proc.stdout.readline()
             if not line.startswith("READY"):

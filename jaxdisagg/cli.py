@@ -244,6 +244,21 @@ def _serve_prefill(cfg, args, secret: str) -> int:
     return 0
 
 
+def pool_cores(available) -> tuple[list[int], list[int]]:
+    """(prefill's cores, decode's cores): this host's cores in two disjoint halves, so
+    neither pool's compute slows the other's (on 2 cores, one each; on 1, shared). A
+    whole half, not one core: compiling, and on a GPU host the dispatch, want cores."""
+    cores = sorted(available)
+    if len(cores) < 2:
+        return cores, cores
+    half = len(cores) // 2
+    return cores[:half], cores[half:]
+
+
+def _core_list(cores: list[int]) -> str:
+    return f"core {cores[0]}" if len(cores) == 1 else "cores " + ",".join(map(str, cores))
+
+
 def cmd_launch(args) -> int:
     """Starts a cross_process config's processes on this host: prefill, decode, router."""
     import subprocess
@@ -254,7 +269,7 @@ def cmd_launch(args) -> int:
     if cfg.transfer.kind != "cross_process":
         raise ValueError(f"--config: {args.config} is not a cross_process deployment; serve "
                          "it with `jaxdisagg serve --config ...`")
-    cores = sorted(os.sched_getaffinity(0))
+    halves = pool_cores(os.sched_getaffinity(0))
 
     def pinned(i):
         def setup():
@@ -263,8 +278,8 @@ def cmd_launch(args) -> int:
             import signal
 
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
-            if len(cores) > 1:  # prefill on one core, decode on another: no shared compute
-                os.sched_setaffinity(0, {cores[i]})
+            if halves[0] != halves[1]:  # prefill on one half, decode on the other
+                os.sched_setaffinity(0, set(halves[i]))
         return setup
 
     # A fresh secret per deployment, handed down through the environment (readable
@@ -275,10 +290,13 @@ def cmd_launch(args) -> int:
     env.pop("JAXDISAGG_SECRET_FILE", None)
     log_level = ["--log-level", args.log_level]
 
+    procs = []
+
     def start(i, *extra):
         proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", *log_level, "serve",
                                  "--config", args.config, *extra], stdout=subprocess.PIPE,
                                 text=True, preexec_fn=pinned(i), env=env)
+        procs.append(proc)
         line = proc.stdout.readline()
         if not line.startswith("READY"):
             proc.kill()
@@ -287,28 +305,33 @@ def cmd_launch(args) -> int:
         url = words[words.index("openai") + 1] if "openai" in words else None
         return proc, words[1], url
 
-    stop = _wait_for_signal()
-    procs = []
+    def stopped_while_starting(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    # A stop asked for while the pools compile ends the start at once (the pools
+    # started so far are terminated below), rather than once every pool is up.
+    import signal
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stopped_while_starting)
     try:
         prefill, address, _ = start(0, "--role", "prefill", "--control-port", "0")
-        procs.append(prefill)
         metrics = [] if args.metrics_port is None else ["--metrics-port",
                                                         str(args.metrics_port)]
         if args.http_port is not None:  # the OpenAI API is served by the decode process
             metrics += ["--http-port", str(args.http_port), "--host", args.host]
-        decode, internal, openai_url = start(1 % len(cores), "--role", "decode", "--prefill",
+        decode, internal, openai_url = start(1, "--role", "decode", "--prefill",
                                              address, "--port", "0", *metrics)
-        procs.append(decode)
-        # The router is light (it forwards bytes): it shares the decode core.
-        router, public, _ = start(1 % len(cores), "--role", "router", "--decode", internal,
+        # The router is light (it forwards bytes): it shares the decode cores.
+        router, public, _ = start(1, "--role", "router", "--decode", internal,
                                   "--host", args.host, "--port", str(args.port))
-        procs.append(router)
     except BaseException:
         for proc in procs:
             proc.terminate()
         raise
-    where = (f"prefill pid {prefill.pid} on core {cores[0]}, decode pid {decode.pid} on core "
-             f"{cores[1]}" if len(cores) > 1 else
+    stop = _wait_for_signal()
+    where = (f"prefill pid {prefill.pid} on {_core_list(halves[0])}, decode pid {decode.pid} "
+             f"on {_core_list(halves[1])}" if halves[0] != halves[1] else
              f"prefill pid {prefill.pid}, decode pid {decode.pid}: one core, not pinned")
     http = f" openai {openai_url}" if openai_url else ""
     print(f"READY {public}{http} ({where}, router pid {router.pid})", flush=True)

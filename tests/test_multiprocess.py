@@ -127,14 +127,58 @@ def test_greedy_tokens_across_processes_equal_the_reference(client, reference):
     drained(client)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:")[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_launch_stops_while_its_pools_start():
+    """SIGTERM while the first pool still compiles ends `launch` then, with status 143
+    and its pool process gone; it used to wait for every pool to come up, print READY,
+    and only then drain."""
+    base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "launch", "--config",
+                             str(CONFIG), "--port", "0"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True,
+                            env={**base, "JAX_PLATFORMS": "cpu"})
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+    deadline = time.monotonic() + 30
+    while not children.read_text().split():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    pools = [int(p) for p in children.read_text().split()]
+    time.sleep(1.0)  # the prefill process is importing JAX or compiling: far from READY
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "READY" not in out
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pools):
+        assert time.monotonic() < deadline, "a pool process outlived its launcher"
+        time.sleep(0.1)
+
+
 def test_pools_are_pinned_to_different_cores(launched):
     _, _, line = launched
-    if len(os.sched_getaffinity(0)) < 2:
+    mine = os.sched_getaffinity(0)
+    if len(mine) < 2:
         assert "not pinned" in line
         return
     pids = [int(line.split(f"{role} pid ")[1].split()[0]) for role in ("prefill", "decode")]
-    cores = [os.sched_getaffinity(pid) for pid in pids]
-    assert all(len(c) == 1 for c in cores) and cores[0] != cores[1]
+    prefill, decode = (os.sched_getaffinity(pid) for pid in pids)
+    # Two disjoint halves of this host's cores (one each on 2 cores).
+    assert prefill and decode and not prefill & decode and prefill | decode == mine
+    assert len(prefill) == len(mine) // 2
+
+
+def test_pool_cores_halve_the_host():
+    from jaxdisagg.cli import pool_cores
+
+    assert pool_cores({5}) == ([5], [5])
+    assert pool_cores({0, 1}) == ([0], [1])
+    assert pool_cores({3, 0, 2}) == ([0], [2, 3])
+    assert pool_cores(range(16)) == (list(range(8)), list(range(8, 16)))
 
 
 def test_abort_storm_leaks_nothing(client, reference):

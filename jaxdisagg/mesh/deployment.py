@@ -9,6 +9,7 @@ request's KV streamed to the decode devices layer group by layer group.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,8 @@ from jaxdisagg.model.llama import Llama
 from jaxdisagg.model.paged import smallest_fit
 from jaxdisagg.model.tokenizer import Tokenizer
 from jaxdisagg.model.weights import load_model
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -90,12 +93,16 @@ class Deployment:
                    disable=None if progress else True)  # None: bars only on a terminal
         for label, job in bar:
             bar.set_postfix_str(label)
+            t0 = time.perf_counter()
             if isinstance(job, PoolInstance):
                 # Decode instances prefill too: short prompts under conditional
                 # disaggregation, and recomputation after preemption.
                 job.warmup(decode=job.name != "prefill", streaming=job.name == "prefill")
             else:
                 job.warmup()
+            # A slow start (compiling on few cores, a large model) shows in the log as
+            # progress, not as silence.
+            log.info("warm-up: %s compiled in %.1f s", label, time.perf_counter() - t0)
 
 
 def block_table(inst: PoolInstance, blocks: Sequence[int]) -> np.ndarray:
