@@ -206,8 +206,9 @@ def splits(smoke: bool, interpret: bool, ceil: dict) -> list[dict]:
     programs it takes to reach the bandwidth (the shape heuristic's TARGET_PROGRAMS)."""
     rng = np.random.default_rng(5)
     n, kh, h = 32, 8, 128
-    shapes = [(1, 64), (2, 64)] if smoke else [(1, 32768), (32, 8192), (32, 32768), (128, 8192)]
-    counts = (1, 2) if smoke else (2, 4, 8, 16, 32)
+    shapes = [(1, 64), (2, 64)] if smoke else [(1, 8192), (1, 32768), (32, 8192), (32, 32768),
+                                               (128, 8192)]
+    counts = (1, 2) if smoke else (2, 4, 8, 16, 32, 64)
     rows = []
     for batch, context in shapes:
         k, v, tables = paged_inputs(rng, batch, context, kh, h)

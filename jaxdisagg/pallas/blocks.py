@@ -8,7 +8,7 @@ the published FlashAttention / FlashDecoding choices:
 
 * decode is bandwidth-bound: long key steps (128 keys of H <= 128) so each program
   streams large contiguous tiles, and enough KV splits that B * K * splits programs
-  keep many loads in flight on every SM (TARGET_PROGRAMS), at most 64 splits;
+  keep many loads in flight on every SM (TARGET_PROGRAMS), at most MAX_SPLITS;
 * prefill is compute-bound: 128 query rows by 64 keys per step for head_dim > 64
   (128 by 128 for smaller heads), 4 warps, two pipeline stages (the H200 sweep's
   choice for Llama-3-8B's and Llama-3.2-1B's layouts in bf16);
@@ -33,11 +33,20 @@ TUNED_PATH = Path(__file__).with_name("tuned_blocks.json")
 # went from 1.7-2.4 TB/s with ~2 programs per SM to 2.3-2.7 TB/s with 8-32 per SM (the
 # GPU check's `splits` part); a memory-bound kernel needs many loads in flight per SM.
 TARGET_PROGRAMS = 4096
+# At most this many splits: at B=1 over 32k keys, 32 splits (8 steps of 128 keys each)
+# read at 1.53-1.59 TB/s and 64 (4 steps each, and twice the partials to combine) at
+# 1.15-1.31 TB/s, in two H200 runs.
+MAX_SPLITS = 32
 
 
 def _pow2(name: str, value: int | None) -> None:
     if value is not None and (value <= 0 or value & (value - 1)):
         raise ValueError(f"{name}: must be a positive power of two, got {value!r}")
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and value <= 0:
+        raise ValueError(f"{name}: must be positive, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,10 @@ class DecodeBlocks:
     num_stages: int | None = None
 
     def __post_init__(self):
-        for f in ("keys_per_step", "num_warps", "num_stages"):
+        for f in ("keys_per_step", "num_warps"):
             _pow2(f, getattr(self, f))
-        if self.num_splits is not None and self.num_splits <= 0:
-            raise ValueError(f"num_splits: must be positive, got {self.num_splits!r}")
+        for f in ("num_splits", "num_stages"):
+            _positive(f, getattr(self, f))
 
 
 @dataclass(frozen=True)
@@ -66,8 +75,9 @@ class PrefillBlocks:
     num_stages: int | None = None
 
     def __post_init__(self):
-        for f in ("block_rows", "keys_per_step", "num_warps", "num_stages"):
+        for f in ("block_rows", "keys_per_step", "num_warps"):
             _pow2(f, getattr(self, f))
+        _positive("num_stages", self.num_stages)
         if self.block_rows is not None and self.block_rows < 16:
             raise ValueError(f"block_rows: tensor-core tiles need at least 16, got "
                              f"{self.block_rows}")
@@ -120,7 +130,8 @@ def decode_blocks(override: DecodeBlocks | None, *, key: str, batch: int, kv_hea
                DecodeBlocks(keys_per_step=keys, num_warps=4, num_stages=2))
     per_step = _pages_per_step(b.keys_per_step, block_size, pages)
     steps = -(-pages // per_step)
-    splits = b.num_splits or max(1, min(steps, -(-TARGET_PROGRAMS // (batch * kv_heads)), 64))
+    splits = b.num_splits or max(1, min(steps, -(-TARGET_PROGRAMS // (batch * kv_heads)),
+                                        MAX_SPLITS))
     return dataclasses.replace(b, keys_per_step=per_step * block_size,
                                num_splits=min(splits, steps))
 
