@@ -14,8 +14,9 @@ then matched.
     the wait for a slot, which is what bounds the rate a decode instance can take.
   - Each pairing takes the integer ratio x prefill : y decode instances (at most
     `max_unit` GPUs) with the most goodput per GPU, min(x Rp, y Rd) / GPUs.
-  - The best few units are then simulated whole, against the whole SLO, and the
-    best one measured that way wins.
+  - The best few units, one per P:D ratio (the estimate ranks 1:2 and 2:4 alike),
+    are then simulated whole, against the whole SLO, and the best one measured that
+    way wins.
 * A cluster of N GPUs runs floor(N / unit GPUs) copies of the winning unit.
 
 Every instance's decode slots are what its memory holds: HBM left after the
@@ -26,6 +27,7 @@ weights, divided by a request's KV at the workload's longest prompt plus output
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,7 +49,7 @@ class Search:
     # Requests per trial: this many per instance, plus 4 per decode slot, so that a
     # rate above capacity builds a queue longer than any TTFT SLO before arrivals end.
     requests: int = 300
-    verify: int = 3  # whole-unit simulations of the best matched pairs
+    verify: int = 3  # whole-unit simulations of the best matched P:D ratios
 
 
 @dataclass
@@ -183,7 +185,11 @@ def plan(cfg: LlamaConfig, hw: rl.Hardware, gpus: int, workload: bench.Workload,
     for c in matched:
         if len(seen) == s.verify:
             break
-        key = (c["prefill_tp"], c["decode_tp"], c["prefill"], c["decode"])
+        # One verification per P:D ratio: the estimate ranks 1:2, 2:4, 3:6 ... equally,
+        # so counting them apart spent every verification on one ratio (and a 1% change
+        # of the overhead then moved the answer by 10%, by moving which ratio came first).
+        g = math.gcd(c["prefill"], c["decode"])
+        key = (c["prefill_tp"], c["decode_tp"], c["prefill"] // g, c["decode"] // g)
         if key in seen:
             continue
         seen.append(key)

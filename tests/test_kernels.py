@@ -150,6 +150,10 @@ def test_launch_shapes_come_from_the_config_then_the_table_then_the_shape(monkey
     assert (other.keys_per_step, other.num_splits) == (64, 1)  # 3 pages: one 4-page step
     with pytest.raises(ValueError, match="keys_per_step: must be a positive power of two"):
         DecodeBlocks(keys_per_step=24)
+    # Pipeline stages are a count, not a tile side (the H200 sweep tries 3).
+    assert DecodeBlocks(num_stages=3).num_stages == PrefillBlocks(num_stages=3).num_stages == 3
+    with pytest.raises(ValueError, match="num_stages: must be positive, got 0"):
+        PrefillBlocks(num_stages=0)
     # fp32 tiles hold twice the bytes: smaller defaults, or ptxas runs out of registers
     pre = dict(key="cpu|x", rows=4096, block_size=16, head_dim=128, pages=64)
     assert blk.prefill_blocks(None, **pre) == PrefillBlocks(128, 64, 4, 2)

@@ -267,6 +267,17 @@ def test_planner_matches_exhaustive_search(small_search):
     assert found.colocated["tp"] == 1 and found.colocated["goodput_per_gpu"] > 0
 
 
+def test_planner_verifies_distinct_ratios(small_search, monkeypatch):
+    """The estimate ranks 1P:1D and 2P:2D alike; the whole-unit simulations go to
+    different P:D ratios, not to multiples of one (which let a 1% change of the
+    per-call overhead move the study's answer by 10%)."""
+    cfg, hw, wl, slo, s = small_search
+    monkeypatch.setattr(planner, "_rate", lambda *a, **k: 1.0)  # every instance alike
+    found = planner.plan(cfg, hw, 4, wl, slo, s)
+    verified = [(c["prefill"], c["decode"]) for c in found.candidates if "rate" in c]
+    assert verified == [(1, 1), (1, 2)]
+
+
 def test_planner_gain_grows_as_tpot_tightens(small_search):
     """DistServe's finding, reproduced on the model: with long prompts, disaggregation's
     edge over colocation grows as the TPOT SLO tightens."""
