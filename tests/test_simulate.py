@@ -321,6 +321,34 @@ def test_cpu_share_counts_this_process_cpu_per_wall_second():
     assert 0.3 < cpu_share(spin, seconds=0.2) < 1.3
 
 
+def test_overlapped_decode_timing_reads_each_step_one_late():
+    """Under overlap scheduling a step's tokens are read after the next step is
+    dispatched; the calibration times decode the same way."""
+    import numpy as np
+
+    from jaxdisagg.calibrate import overlapped_seconds
+
+    events = []
+
+    class Out:
+        def __init__(self, i):
+            self.i = i
+
+        def __array__(self, dtype=None, copy=None):
+            events.append(("read", self.i))
+            return np.zeros(1)
+
+    def call():
+        i = sum(e[0] == "call" for e in events)
+        events.append(("call", i))
+        return Out(i), Out(i)
+
+    assert overlapped_seconds(call, repeats=1, steps=3) > 0
+    run = events[:events.index(("call", 3))]  # the warm-up run
+    assert run == [("call", 0), ("call", 1), ("read", 0), ("read", 0), ("call", 2),
+                   ("read", 1), ("read", 1), ("read", 2), ("read", 2)]
+
+
 def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys):
     """`simulate --calibrate` fits a served pool's own step times; `simulate --busy`
     keeps a pool's program running (the load a neighbour is calibrated under) until
