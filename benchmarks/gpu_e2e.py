@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -169,13 +168,8 @@ def tokens(smoke: bool) -> dict:
     return out
 
 
-def _die_with_parent() -> None:
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def disagg(smoke: bool, out_dir: Path) -> dict:
+    from jaxdisagg.cli import die_with_parent
     from jaxdisagg.serve.client import Client
 
     ref = out_dir / "gpu_e2e_tokens.json"
@@ -206,7 +200,7 @@ transfer: {{kind: cross_process, layer_streaming: false}}
         proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", "--log-level", "INFO",
                                  "launch", "--config", str(path), "--port", "0"],
                                 stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT,
-                                preexec_fn=_die_with_parent)
+                                preexec_fn=die_with_parent)
         try:
             line = proc.stdout.readline()
             if not line.startswith("READY"):

@@ -255,6 +255,14 @@ def pool_cores(available) -> tuple[list[int], list[int]]:
     return cores[:half], cores[half:]
 
 
+def die_with_parent() -> None:
+    """For a child's preexec_fn: SIGTERM it when the process that started it dies."""
+    import ctypes
+    import signal
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _core_list(cores: list[int]) -> str:
     return f"core {cores[0]}" if len(cores) == 1 else "cores " + ",".join(map(str, cores))
 
@@ -274,10 +282,7 @@ def cmd_launch(args) -> int:
     def pinned(i):
         def setup():
             # The pools die with the launcher, even if it is SIGKILLed (no orphans).
-            import ctypes
-            import signal
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PDEATHSIG
+            die_with_parent()
             if halves[0] != halves[1]:  # prefill on one half, decode on the other
                 os.sched_setaffinity(0, set(halves[i]))
         return setup
