@@ -180,6 +180,83 @@ class LlamaCpp:
         return time.perf_counter() - t, outs
 
 
+class LlamaCppBatched:
+    """llama.cpp decoding many sequences in one context, as its server's parallel slots do.
+
+    llama-cpp-python's `Llama` holds one sequence; its low-level API (the C calls) takes
+    a batch of tokens from several sequences per `llama_decode`. Each sequence gets its
+    own KV stream (`kv_unified` off, llama-server's layout for parallel slots), so a
+    token attends over its own sequence only. KV f32 and flash attention off: the
+    all-fp32 settings, whose greedy tokens equal ours.
+    """
+
+    def __init__(self, lcpp: LlamaCpp, n_seq: int = SERVE_REQUESTS):
+        import llama_cpp
+
+        self.c = llama_cpp
+        self.n_seq, self.n_vocab = n_seq, lcpp.m.n_vocab()
+        p = llama_cpp.llama_context_default_params()
+        p.n_seq_max, p.kv_unified = n_seq, False
+        p.n_ctx = n_seq * (CONTEXT + 256)  # llama.cpp rounds each stream to 256
+        p.n_batch, p.n_ubatch = CONTEXT, CONTEXT
+        p.n_threads = p.n_threads_batch = THREADS
+        p.type_k = p.type_v = 0  # GGML F32
+        p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.ctx = llama_cpp.llama_init_from_model(lcpp.m.model, p)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a batched context")
+        self.batch = llama_cpp.llama_batch_init(CONTEXT, 0, 1)
+        self.prompt = lcpp.prompt
+
+    def close(self):
+        self.c.llama_batch_free(self.batch)
+        self.c.llama_free(self.ctx)
+
+    def _decode(self, items):
+        """items: (token, position, sequence, wants logits) -> rows of logits asked for."""
+        b = self.batch
+        for i, (tok, pos, seq, out) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = tok, pos, 1, out
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(items)
+        if (rc := self.c.llama_decode(self.ctx, b)) != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+        rows = [i for i, item in enumerate(items) if item[3]]
+        return [np.ctypeslib.as_array(self.c.llama_get_logits_ith(self.ctx, i),
+                                      shape=(self.n_vocab,)) for i in rows]
+
+    def _prefill(self, prompts):
+        """Every prompt in calls of up to CONTEXT tokens; the last token's logits of each."""
+        self.c.llama_memory_clear(self.c.llama_get_memory(self.ctx), True)
+        items = [(tok, pos, s, pos == len(p) - 1)
+                 for s, p in enumerate(prompts) for pos, tok in enumerate(p)]
+        last = []
+        for i in range(0, len(items), CONTEXT):
+            last += [int(np.argmax(r)) for r in self._decode(items[i:i + CONTEXT])]
+        return last
+
+    def decode_s(self, b, repeats):
+        """One step for b sequences, each at CONTEXT tokens of context."""
+        self._prefill([self.prompt] * b)
+        times = []
+        for r in range(repeats):
+            t = time.perf_counter()
+            self._decode([(1, CONTEXT + r, s, True) for s in range(b)])
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+
+    def serve(self, prompts):
+        t = time.perf_counter()
+        nxt = self._prefill(prompts)
+        outs = [[tok] for tok in nxt]
+        for step in range(SERVE_NEW - 1):
+            rows = self._decode([(out[-1], len(p) + step, s, True)
+                                 for s, (p, out) in enumerate(zip(prompts, outs, strict=True))])
+            for out, row in zip(outs, rows, strict=True):
+                out.append(int(np.argmax(row)))
+        return time.perf_counter() - t, outs
+
+
 class HF:
     name = "transformers"
 
@@ -220,6 +297,10 @@ class HF:
 
 # ------------------------------------------------------------------------ main
 
+PEER_NAMES = {"hf": "transformers", "lcpp_default": "llama.cpp default",
+              "lcpp_fp32": "llama.cpp fp32", "lcppb": "llama.cpp fp32 batched"}
+
+
 def spread(values):
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -246,6 +327,7 @@ def main(argv=None) -> int:
     model, tok = load_model(str(gguf), jnp.float32)
     ours, hf = Ours(model), HF(gguf)
     lcpp = {"default": LlamaCpp(f32, fp32=False), "fp32": LlamaCpp(f32, fp32=True)}
+    batched = LlamaCppBatched(lcpp["fp32"])
 
     # Correctness: logits and greedy tokens on a chat prompt.
     chat = tok.encode(tok.chat_template.render(
@@ -289,8 +371,10 @@ def main(argv=None) -> int:
         *(lcpp_job(k, v) for k, v in lcpp.items()),
         *(serve_job(name, eng) for name, eng in engines.items()),
     ]
+    jobs.append(lambda: {"lcppb_decode_b8": batched.decode_s(8, 2 * args.repeats)})
     if engines:
         jobs.append(lambda: {"lcpp_fp32_serve": lcpp["fp32"].serve(prompts)})
+        jobs.append(lambda: {"lcppb_serve": batched.serve(prompts)})
     rounds = []
     for r in range(args.rounds):
         row: dict = {}
@@ -306,11 +390,10 @@ def main(argv=None) -> int:
                                              "lcpp_fp32_prefill")),
             ("decode B=1", "ours_decode_b1", ("hf_decode_b1", "lcpp_default_decode_b1",
                                               "lcpp_fp32_decode_b1")),
-            ("decode B=8", "ours_decode_b8", ("hf_decode_b8",))):
+            ("decode B=8", "ours_decode_b8", ("hf_decode_b8", "lcppb_decode_b8"))):
         for key in peers_keys:
             ratio = spread([rd[mine_key] / rd[key] for rd in rounds])
-            peer = {"hf": "transformers", "lcpp_default": "llama.cpp default",
-                    "lcpp_fp32": "llama.cpp fp32"}[key.split("_prefill")[0].split("_decode")[0]]
+            peer = PEER_NAMES[key.split("_prefill")[0].split("_decode")[0]]
             table.append((what, peer, times[mine_key], times[key], ratio))
     print(f"\nSmolLM2-135M fp32, {THREADS} threads, {args.rounds} rounds, "
           f"median [range]; ratio = ours / peer time (< 1: ours faster)\n")
@@ -322,25 +405,28 @@ def main(argv=None) -> int:
     serving = {}
     if engines:
         total = SERVE_REQUESTS * SERVE_NEW
-        lc = [rd["lcpp_fp32_serve"] for rd in rounds]
         print(f"\nserving {SERVE_REQUESTS} x {SERVE_PROMPT}-token prompts x {SERVE_NEW} new "
-              "tokens (generated tok/s; ratio = ours / llama.cpp fp32 throughput, > 1: ours "
-              "faster)")
-        serving["llama.cpp fp32"] = {"tokens_per_s": spread([total / w for w, _ in lc])}
-        print(f"  {'llama.cpp fp32':<16}{fmt(serving['llama.cpp fp32']['tokens_per_s']):>26}")
-        for name in engines:
-            runs = [rd[f"{name}_serve"] for rd in rounds]
-            tps = spread([total / w for w, _ in runs])
-            ratio = spread([lw / w for (w, _), (lw, _) in zip(runs, lc, strict=True)])
-            same = statistics.fmean(float(a == b) for (_, mt), (_, lt) in zip(runs, lc,
-                                                                               strict=True)
-                                    for a, b in zip(mt, lt, strict=True))
-            serving[name] = {"tokens_per_s": tps, "ratio_vs_llama_cpp": ratio,
-                             "same_tokens_as_llama_cpp_fp32": same}
-            print(f"  {name:<16}{fmt(tps):>26}   ratio {fmt(ratio)}   same tokens as "
-                  f"llama.cpp: {same:.2f}")
+              "tokens (generated tok/s; ratio = ours / llama.cpp's throughput, > 1: ours "
+              "faster; llama.cpp fp32 one sequence at a time, and batched)")
+        base = {"llama.cpp fp32": "lcpp_fp32", "llama.cpp batched": "lcppb"}
+        for name, key in (*base.items(), *((n, n) for n in engines)):
+            runs = [rd[f"{key}_serve"] for rd in rounds]
+            serving[name] = {"tokens_per_s": spread([total / w for w, _ in runs])}
+            line = f"  {name:<18}{fmt(serving[name]['tokens_per_s']):>24}"
+            for peer, pkey in base.items():
+                if pkey == key:  # llama.cpp batched against one at a time, not itself
+                    break
+                theirs = [rd[f"{pkey}_serve"] for rd in rounds]
+                ratio = spread([lw / w for (w, _), (lw, _) in zip(runs, theirs, strict=True)])
+                same = statistics.fmean(
+                    float(a == b) for (_, mt), (_, lt) in zip(runs, theirs, strict=True)
+                    for a, b in zip(mt, lt, strict=True))
+                serving[name][f"vs {peer}"] = {"ratio": ratio, "same_tokens": same}
+                line += f"   vs {peer}: {fmt(ratio)}, same tokens {same:.2f}"
+            print(line)
         for e in engines.values():
             e.close()
+    batched.close()
     write_result(args.out, {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(), "cores": THREADS,
         "jax": jax.__version__, "args": vars(args), "correctness": check,
