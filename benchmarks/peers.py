@@ -430,6 +430,8 @@ def main(argv=None) -> int:
     write_result(args.out, {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(), "cores": THREADS,
         "jax": jax.__version__, "args": vars(args), "correctness": check,
+        "rounds_s": [{k: v[0] if k.endswith("_serve") else v for k, v in rd.items()}
+                     for rd in rounds],  # every round's times, to pair within a round
         "times_s": times, "ratios": [{"measurement": w, "peer": p, "ratio": r}
                                      for w, p, _, _, r in table],
         "serving": serving})
