@@ -194,7 +194,7 @@ class LlamaCppBatched:
         import llama_cpp
 
         self.c = llama_cpp
-        self.n_seq, self.n_vocab = n_seq, lcpp.m.n_vocab()
+        self.n_vocab = lcpp.m.n_vocab()
         p = llama_cpp.llama_context_default_params()
         p.n_seq_max, p.kv_unified = n_seq, False
         p.n_ctx = n_seq * (CONTEXT + 256)  # llama.cpp rounds each stream to 256

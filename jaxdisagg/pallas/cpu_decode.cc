@@ -32,29 +32,37 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// A masked key's score, and the running maximum of a row (or split) with no keys yet.
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
 struct Dims {
   int64_t b, n, h, nb, bs, k, g, p;
 };
 
-// exp for the softmax, in a form the compiler vectorises (std::exp is a scalar libm call,
-// and at G*bs calls a page it cost as much as all the multiply-adds). Cody-Waite range
-// reduction and a degree-6 polynomial: within 1 ulp of exp over [-87, 0], the range
-// used here. Arguments below -87 count as -87 (a weight of 1.6e-38, i.e. none).
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
+// exp(x) / 2^n for n = round(x / ln 2): Cody-Waite range reduction and a degree-6
+// polynomial, on one float or on 8 lanes (the constants broadcast).
+template <typename T>
+inline T exp_reduced(T x, T n) {
+  const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  T p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  return p * r * r + r + 1.0f;
+}
+
+// exp for the softmax, in a form the compiler vectorises (std::exp is a scalar libm call,
+// and at G*bs calls a page it cost as much as all the multiply-adds): within 1 ulp of
+// exp over [-87, 0], the range used here. Arguments below -87 count as -87 (a weight of
+// 1.6e-38, i.e. none).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 // 16 fp32 lanes (one AVX-512 register; the compiler splits it where vectors are
@@ -82,24 +90,16 @@ inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof v); }
 
 inline V8 splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
 
-// fast_exp on 8 lanes, for a row's scores at once: the same reduction and polynomial,
-// rounding by adding and subtracting 1.5 * 2^23 (to nearest, as nearbyint).
+// fast_exp on 8 lanes, for a row's scores at once, rounding by adding and subtracting
+// 1.5 * 2^23 (to nearest, as nearbyint).
 inline V8 fast_exp8(V8 x) {
   const V8 lo = splat8(-87.0f), magic = splat8(12582912.0f);
   x = x < lo ? lo : x;
   const V8 n = (x * 1.44269504088896341f + magic) - magic;
-  const V8 r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  V8 p = splat8(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
   const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
   V8 scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return exp_reduced(x, n) * scale;
 }
 
 inline float hmax8(V8 v) {
@@ -134,10 +134,9 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
                   float* row_max, float* row_sum) {
   const int64_t n = d.n, g_rows = d.g, h = d.h, bs = d.bs, kv_heads = d.k;
   const int64_t padded = (bs + 7) / 8 * 8;  // a row's scores: whole 8-lane vectors
-  constexpr float kMasked = -std::numeric_limits<float>::infinity();
   std::fill(acc, acc + n * h, 0.0f);
   std::fill(row_sum, row_sum + n, 0.0f);
-  std::fill(row_max, row_max + n, -std::numeric_limits<float>::infinity());
+  std::fill(row_max, row_max + n, kNegInf);
   std::vector<float> score(n * padded), qs(n * h);
   for (int64_t i = 0; i < n * h; ++i) qs[i] = q[i] * scale;
   for (int64_t p = p0; p < p1; ++p) {
@@ -160,7 +159,7 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
       // time on an AVX2 host): rescale what came before to the new running maximum.
       // Keys past the page's last are masked to weight 0.
       float* s = score.data() + r * padded;
-      std::fill(s + keys, s + padded, kMasked);
+      std::fill(s + keys, s + padded, kNegInf);
       V8 mv = load8(s);
       for (int64_t t = 8; t < padded; t += 8) {
         const V8 x = load8(s + t);
@@ -171,7 +170,7 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
       V8 sum = splat8(0.0f);
       for (int64_t t = 0; t < padded; t += 8) {
         const V8 x = load8(s + t);
-        const V8 e = x == kMasked ? splat8(0.0f) : fast_exp8(x - m);
+        const V8 e = x == kNegInf ? splat8(0.0f) : fast_exp8(x - m);
         store8(s + t, e);
         sum += e;
       }
@@ -255,20 +254,19 @@ ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
     attend_pages(qp + b * d.n * d.h, kp, vp, tp + b * d.p, lp[b], p0, p1, d, scale, acc,
                  acc + d.n * d.h, acc + d.n * (d.h + 1));
   });
-  constexpr float kNone = -std::numeric_limits<float>::infinity();  // a split with no keys
   for (int64_t b = 0; b < d.b; ++b)
     for (int64_t r = 0; r < d.n; ++r) {
-      float m = kNone;
+      float m = kNegInf;
       for (int64_t sp = 0; sp < splits; ++sp)
         m = std::max(m, pp[(b * splits + sp) * row + d.n * d.h + r]);
       float* o = op + (b * d.n + r) * d.h;
       std::fill(o, o + d.h, 0.0f);
-      if (m == kNone) continue;  // an empty slot: zeros
+      if (m == kNegInf) continue;  // an empty slot: zeros
       float total = 0.0f;
       for (int64_t sp = 0; sp < splits; ++sp) {
         const float* acc = pp + (b * splits + sp) * row;
         const float mx = acc[d.n * d.h + r];
-        if (mx == kNone) continue;
+        if (mx == kNegInf) continue;
         const float w = fast_exp(mx - m);
         total += w * acc[d.n * (d.h + 1) + r];
         for (int64_t i = 0; i < d.h; ++i) o[i] += w * acc[r * d.h + i];
