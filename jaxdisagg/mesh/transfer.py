@@ -101,7 +101,8 @@ class KVSource:
         self._gather = {}
 
     def _gather_fn(self, layers: range, bucket: int):
-        key = (layers.start, layers.stop, bucket)
+        # Keyed by the layer count, not the range: equal groups share one program.
+        key = (len(layers), bucket)
         if key not in self._gather:
             def gather(k_pages, v_pages, ids):
                 take = lambda p: jnp.take(p, ids, axis=0, mode="clip")  # noqa: E731
@@ -192,7 +193,7 @@ class KVSink:
         return jax.make_array_from_single_device_arrays(shape, self._sharding, shards)
 
     def _scatter_fn(self, layers: range, bucket: int):
-        key = (layers.start, layers.stop, bucket)
+        key = (len(layers), bucket)  # as the gather: one program per group size
         if key not in self._scatter:
             def scatter(k_pages, v_pages, staged, ids):
                 put = lambda p, new: p.at[ids].set(new, mode="drop")  # noqa: E731
@@ -288,11 +289,13 @@ class InProcessTransfer:
 
     def warmup(self) -> None:
         """Compiles the gather, copy and scatter programs for every bucket and layer group."""
-        groups = {(g.start, g.stop) for g in self.src.groups} | {(0, self.src.config.num_layers)}
-        # (the whole-model group is what a request moves when streaming is off)
-        for lo, hi in sorted(groups):
+        # One group of each size (programs are per size); the whole model is what a
+        # request moves when streaming is off.
+        sizes = {len(g): g for g in self.src.groups}
+        sizes.setdefault(self.src.config.num_layers, range(self.src.config.num_layers))
+        for layers in sizes.values():
             for bucket in all_buckets(self.src.max_pages):
                 blocks = list(range(bucket))
-                self.insert(self.extract(range(lo, hi), blocks), blocks)
+                self.insert(self.extract(layers, blocks), blocks)
         jax.block_until_ready(self.dst.kv)
         self.dst.kv = self.dst._allocate()
