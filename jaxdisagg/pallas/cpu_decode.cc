@@ -130,7 +130,7 @@ inline int64_t page_index(int64_t entry, int64_t num_blocks) {
 // Each page is walked once, key by key, every KV head in turn, so the reads are
 // sequential and each byte of K and V is read once.
 // kH, kG > 0 fix head_dim and the query heads per KV head at compile time (0: read
-// from d): the loops over them unroll, 0.86-0.90x the time on an AVX2 host.
+// from d): the loops over them unroll, 0.86-0.91x the time on an AVX2 host.
 template <int64_t kH, int64_t kG>
 void attend_pages(const float* q, const float* kp, const float* vp, const int32_t* table,
                   int64_t len, int64_t p0, int64_t p1, const Dims& d, float scale, float* acc,
