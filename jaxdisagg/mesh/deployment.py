@@ -67,11 +67,13 @@ class Deployment:
                                       seed=cfg.model.seed)
         placements = place_pools(cfg, len(devices), model.config.num_heads,
                                  model.config.num_kv_heads, model.config.intermediate_size)
+        # Only the prefill pool streams KV out layer group by layer group.
         group = cfg.transfer.layer_group_size if cfg.transfer.layer_streaming else None
         pools = {
             name: [PoolInstance(name, model, inst, cfg.pools()[name],
                                 backend=cfg.model.attention_backend,
-                                layer_group_size=group, devices=devices)
+                                layer_group_size=group if name == "prefill" else None,
+                                devices=devices)
                    for inst in placements[name].instances]
             for name in placements if role in (None, name)}
         transfers = {}
@@ -97,7 +99,7 @@ class Deployment:
             if isinstance(job, PoolInstance):
                 # Decode instances prefill too: short prompts under conditional
                 # disaggregation, and recomputation after preemption.
-                job.warmup(decode=job.name != "prefill", streaming=job.name == "prefill")
+                job.warmup(decode=job.name != "prefill")
             else:
                 job.warmup()
             # A slow start (compiling on few cores, a large model) shows in the log as

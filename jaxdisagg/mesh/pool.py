@@ -30,7 +30,6 @@ from jaxdisagg.model.paged import (
     KVPages,
     decode_sample_step,
     decode_step,
-    prefill_chunk,
     prefill_chunk_group,
     smallest_fit,
     table_widths,
@@ -55,6 +54,23 @@ def chunk_buckets(chunk_size: int, step: int = 16, fine_up_to: int = 64) -> list
 def layer_groups(num_layers: int, group_size: int) -> list[range]:
     return [range(lo, min(lo + group_size, num_layers))
             for lo in range(0, num_layers, group_size)]
+
+
+def _run_leaves(state: nnx.State, run_state: nnx.State, run: range) -> list[int]:
+    """For each leaf of `run_state` (a model of len(run) layers), the index of the
+    `state` leaf it stands for: its layer j is layer run.start + j, and the embedding,
+    final norm and head are the full model's."""
+    def key(path):
+        return tuple(getattr(k, "key", getattr(k, "name", None)) for k in path)
+
+    index = {key(p): i for i, (p, _) in enumerate(jax.tree_util.tree_leaves_with_path(state))}
+    out = []
+    for path, _ in jax.tree_util.tree_leaves_with_path(run_state):
+        k = key(path)
+        if k[0] == "layers":
+            k = (k[0], run.start + k[1], *k[2:])
+        out.append(index[k])
+    return out
 
 
 def _over_leaves(fn, treedef, graphdef, **kw):
@@ -101,10 +117,6 @@ class PoolInstance:
 
         rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
-        self._prefill = jax.jit(
-            _over_leaves(prefill_chunk, treedef, graphdef, backend=attention, mesh=self.mesh),
-            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep),
-            out_shardings=(rep, kv_sh), donate_argnums=(1,))
         self._decode = jax.jit(
             _over_leaves(decode_sample_step, treedef, graphdef, backend=attention,
                          mesh=self.mesh),
@@ -120,15 +132,27 @@ class PoolInstance:
                              in_shardings=(rep, rep, rep), out_shardings=rep)
         self.table_widths = table_widths(self.max_pages)
         self.chunk_buckets = chunk_buckets(pool.chunk_size)
+        # Prefill runs layer group by layer group (one group when not streaming), each
+        # group a model of its own layers: equal groups share one program and the
+        # pool never compiles a whole-model prefill it does not run.
         self.groups = layer_groups(self.config.num_layers,
                                    layer_group_size or self.config.num_layers)
-        self._group_fns = [
-            jax.jit(_over_leaves(prefill_chunk_group, treedef, graphdef, lo=g.start,
-                                 backend=attention, mesh=self.mesh),
-                    in_shardings=(self._state_sharding, self._kv_shardings(len(g)), rep, rep,
-                                  rep, rep),
+        programs, self._group_fns, self._group_params = {}, [], []
+        for g in self.groups:
+            first, last = g.start == 0, g.stop == self.config.num_layers
+            run_graphdef, run_state = nnx.split(nnx.eval_shape(
+                lambda n=len(g): Llama(self.config.replace(num_layers=n), dtype=self.dtype)))
+            leaves = _run_leaves(state, run_state, g)
+            if (len(g), first, last) not in programs:
+                programs[len(g), first, last] = jax.jit(
+                    _over_leaves(prefill_chunk_group, jax.tree.structure(run_state),
+                                 run_graphdef, first=first, last=last, backend=attention,
+                                 mesh=self.mesh),
+                    in_shardings=(tuple(self._state_sharding[i] for i in leaves),
+                                  self._kv_shardings(len(g)), rep, rep, rep, rep),
                     out_shardings=(rep, self._kv_shardings(len(g))), donate_argnums=(1,))
-            for g in self.groups]
+            self._group_fns.append(programs[len(g), first, last])
+            self._group_params.append(tuple(self.params[i] for i in leaves))
 
     def _kv_shardings(self, num_layers: int) -> KVPages:
         return KVPages((self.page_sharding,) * num_layers, (self.page_sharding,) * num_layers)
@@ -151,17 +175,19 @@ class PoolInstance:
                 block_table: np.ndarray) -> jax.Array:
         """One chunk (tokens padded to a chunk bucket) -> fp32 logits [V] of its last real
         token."""
-        logits, self.kv = self._prefill(self.params, self.kv, tokens, np.int32(start),
-                                        np.int32(num_valid), block_table)
-        return logits
+        out = tokens
+        for i in range(len(self.groups)):
+            out = self.prefill_group(i, out, start, num_valid, block_table)
+        return out
 
     def prefill_group(self, index: int, inputs, start: int, num_valid: int,
                       block_table: np.ndarray):
         """Layer group `index` of a chunk: hidden states out, or logits after the last group."""
         g = self.groups[index]
         group_kv = KVPages(self.kv.k[g.start:g.stop], self.kv.v[g.start:g.stop])
-        out, group_kv = self._group_fns[index](self.params, group_kv, inputs, np.int32(start),
-                                               np.int32(num_valid), block_table)
+        out, group_kv = self._group_fns[index](self._group_params[index], group_kv, inputs,
+                                               np.int32(start), np.int32(num_valid),
+                                               block_table)
         self.kv = KVPages(self.kv.k[:g.start] + group_kv.k + self.kv.k[g.stop:],
                           self.kv.v[:g.start] + group_kv.v + self.kv.v[g.stop:])
         return out
@@ -217,18 +243,13 @@ class PoolInstance:
 
     # ---------------------------------------------------------------- warm-up
 
-    def warmup(self, prefill: bool = True, decode: bool = True, streaming: bool = True) -> None:
+    def warmup(self, prefill: bool = True, decode: bool = True) -> None:
         """Compiles every program this instance serves with (on throwaway pages)."""
         p, b = self.max_pages, self.pool.max_slots
         table = np.full(p, self.layout.num_blocks - 1, np.int32)
-        for c in self.chunk_buckets if prefill else ():  # one program per chunk bucket
-            tokens = np.zeros(c, np.int32)
-            sample_rows(self.prefill(tokens, 0, 1, table)[None], [None], [0])
-            if streaming and len(self.groups) > 1:  # layer streaming on
-                out = tokens
-                for i in range(len(self.groups)):
-                    out = self.prefill_group(i, out, 0, 1, table)
-                sample_rows(out[None], [None], [0])
+        for c in self.chunk_buckets if prefill else ():  # one program set per chunk bucket
+            logits = self.prefill(np.zeros(c, np.int32), 0, 1, table)
+            sample_rows(logits[None], [None], [0])
         if decode:
             zeros = np.zeros(b, np.int32)
             rows = row_params([None] * b, 0, self.config.vocab_size)

@@ -129,19 +129,17 @@ class Llama(nnx.Module):
         """tokens [B, T] -> [B, T, D]."""
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
-    def run_layers(self, x, positions, caches: Sequence[Any], attend: Attend,
-                   layers: Sequence[int] | None = None):
-        """Runs the given layers (default: all) over x [B, T, D] at positions [B, T].
+    def run_layers(self, x, positions, caches: Sequence[Any], attend: Attend):
+        """Runs every layer over x [B, T, D] at positions [B, T].
 
-        `caches` holds one entry per layer run. Returns (x, updated caches).
+        `caches` holds one entry per layer. Returns (x, updated caches).
         """
         cfg = self.config
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_angles(positions, inv_freq)
-        layers = range(len(self.layers)) if layers is None else layers
         new_caches = []
-        for i, cache in zip(layers, caches, strict=True):
-            x, cache = self.layers[i](x, cos, sin, cache, attend)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x, cache = layer(x, cos, sin, cache, attend)
             new_caches.append(cache)
         return x, new_caches
 

@@ -98,17 +98,16 @@ def _rows(block_tables: jax.Array, positions: jax.Array, valid: jax.Array,
     return jnp.where(valid, rows, num_blocks * block_size)
 
 
-def _split_kv(kv: KVPages, start_layer: int, count: int) -> list[tuple[jax.Array, jax.Array]]:
-    return [(kv.k[i], kv.v[i]) for i in range(start_layer, start_layer + count)]
+def _split_kv(kv: KVPages) -> list[tuple[jax.Array, jax.Array]]:
+    return list(zip(kv.k, kv.v, strict=True))
 
 
 def _join_kv(caches) -> KVPages:
     return KVPages(tuple(c[0] for c in caches), tuple(c[1] for c in caches))
 
 
-def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, backend,
-                    mesh):
-    """Layers lo .. lo+len(caches) of one prefill chunk over x [1, C, D]."""
+def _prefill_layers(model: Llama, x, caches, start, num_valid, block_table, backend, mesh):
+    """The model's layers over x [1, C, D], one prefill chunk."""
     c = x.shape[1]
     nb, bs = caches[0][0].shape[:2]
     positions = start + jnp.arange(c, dtype=jnp.int32)
@@ -121,8 +120,7 @@ def _prefill_layers(model: Llama, x, caches, lo, start, num_valid, block_table, 
                                 scale=scale, backend=backend, mesh=mesh)
         return out[None], (k_pages, v_pages)
 
-    return model.run_layers(x, positions[None], caches, attend,
-                            layers=range(lo, lo + len(caches)))
+    return model.run_layers(x, positions[None], caches, attend)
 
 
 def _last_logits(model: Llama, x, num_valid):
@@ -143,29 +141,29 @@ def prefill_chunk(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens:
     num_valid must be >= 1 (the caller's scheduler never sends an empty chunk).
     `mesh`: the pool's mesh when running sharded (the kernels then use shard_map).
     """
-    model: Llama = nnx.merge(graphdef, state)
-    x, caches = _prefill_layers(model, model.embed(tokens[None]), _split_kv(kv, 0, len(kv.k)),
-                                0, start, num_valid, block_table, backend, mesh)
-    return _last_logits(model, x, num_valid), _join_kv(caches)
+    return prefill_chunk_group(graphdef, state, kv, tokens, start, num_valid, block_table,
+                               first=True, last=True, backend=backend, mesh=mesh)
 
 
 def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPages,
                         inputs: jax.Array, start: jax.Array, num_valid: jax.Array,
-                        block_table: jax.Array, *, lo: int, backend: Backend = "reference",
-                        mesh: Mesh | None = None):
-    """Layers lo .. lo+len(kv_group.k) of a prefill chunk, for layer-wise KV streaming.
+                        block_table: jax.Array, *, first: bool, last: bool,
+                        backend: Backend = "reference", mesh: Mesh | None = None):
+    """A run of consecutive layers of a prefill chunk, for layer-wise KV streaming.
 
-    inputs are the chunk's tokens [C] when lo == 0, else the hidden states [1, C, D]
-    the previous group returned. Returns (hidden states, or the last real token's
-    logits after the final layer; the group's updated pages). Running every group
-    in order equals `prefill_chunk`.
+    (graphdef, state) is a model holding only the run's layers, with the full model's
+    embedding and head: every run of the same length then traces to the same program,
+    so a pool compiles one program per (length, first, last), not one per run.
+    inputs are the chunk's tokens [C] when `first`, else the hidden states [1, C, D]
+    the previous run returned. Returns (hidden states, or the last real token's logits
+    when `last`; the run's updated pages). Running every run in order equals
+    `prefill_chunk`.
     """
     model: Llama = nnx.merge(graphdef, state)
-    x = model.embed(inputs[None]) if lo == 0 else inputs
-    x, caches = _prefill_layers(model, x, _split_kv(kv_group, 0, len(kv_group.k)), lo, start,
+    x = model.embed(inputs[None]) if first else inputs
+    x, caches = _prefill_layers(model, x, _split_kv(kv_group), start,
                                 num_valid, block_table, backend, mesh)
-    out = _last_logits(model, x, num_valid) if lo + len(caches) == len(model.layers) else x
-    return out, _join_kv(caches)
+    return (_last_logits(model, x, num_valid) if last else x), _join_kv(caches)
 
 
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
@@ -190,7 +188,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
         return out[:, None], (k_pages, v_pages)
 
     x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],
-                                 _split_kv(kv, 0, len(kv.k)), attend)
+                                 _split_kv(kv), attend)
     return model.logits(x[:, 0]), _join_kv(caches)
 
 
