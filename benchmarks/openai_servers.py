@@ -21,6 +21,7 @@ measured.
 """
 
 import argparse
+import dataclasses
 import os
 import platform
 import statistics
@@ -108,7 +109,9 @@ def main() -> None:
         labels = list(servers)
         for r in range(args.rounds):
             for label in labels[r % len(labels):] + labels[:r % len(labels)]:
-                records = bench.run(servers[label], work)
+                # New prompts each round (the same for every server within it): each
+                # server's prefix cache would otherwise serve rounds 2 on from memory.
+                records = bench.run(servers[label], dataclasses.replace(work, seed=r))
                 summary = bench.summarize(records, slo)
                 runs[label].append(summary)
                 if not summary["completed"]:

@@ -15,10 +15,11 @@ tokens. Then, alternating the systems in every round (the order rotates):
 * prefill of 512 tokens;
 * decode B=1 at 512 tokens of context (one step); B=8 for ours and transformers
   (llama-cpp-python decodes one sequence per context);
-* serving: 16 prompts of 256 tokens, 64 new tokens each, all submitted at once to
+* serving: 16 prompts of 256 tokens (new ones each round, the same for every system
+  within it), 64 new tokens each, all submitted at once to
   both our engines (one CPU device each for prefill and decode, or one colocated
   instance); llama.cpp answers them one after another, the way one
-  llama-cpp-python context serves.
+  llama-cpp-python context serves, and batched, as llama-server's parallel slots do.
 
 Prints medians and [ranges] over rounds of times and of the ratios ours / peer
 (below 1: ours is faster), and writes JSON. This machine is noisy: read ratios
@@ -120,6 +121,8 @@ def serve_ours(engine, prompts):
     ids = [engine.submit(p, params, stop_token_ids=[]) for p in prompts]
     results = [engine.result(rid) for rid in ids]
     wall = time.perf_counter() - t
+    if cached := sum(r.cached_tokens for r in results):  # would not be a cold prefill
+        raise RuntimeError(f"{cached} prompt tokens came from the prefix cache")
     return wall, [r.token_ids for r in results]
 
 
@@ -347,13 +350,17 @@ def main(argv=None) -> int:
               f", same {NEW_CHECK} greedy tokens: {check[name]['same_greedy_tokens']}",
               flush=True)
 
-    engines, prompts = {}, []
+    # Every round serves prompts no system has seen: our engines keep a prefix cache
+    # across calls (llama.cpp's context is cleared per run), and the same prompts again
+    # would let round 2 on skip most of our prefill. The warm-up prompt is its own too.
+    engines, round_prompts, prompts = {}, [], []
     if not args.no_serving:
         engines = {name: Engine.from_config(cfg) for name, cfg in serving_configs().items()}
         rng = np.random.default_rng(1)
-        prompts = [rng.integers(3, 49152, SERVE_PROMPT).tolist() for _ in range(SERVE_REQUESTS)]
+        warm, *round_prompts = ([rng.integers(3, 49152, SERVE_PROMPT).tolist()
+                                 for _ in range(SERVE_REQUESTS)] for _ in range(args.rounds + 1))
         for e in engines.values():
-            e.generate([prompts[0]], SamplingParams(max_tokens=2))  # first calls, excluded
+            e.generate([warm[0]], SamplingParams(max_tokens=2))  # first calls, excluded
 
     def lcpp_job(k, v):
         return lambda: {f"lcpp_{k}_prefill": v.prefill_s(args.repeats),
@@ -377,6 +384,7 @@ def main(argv=None) -> int:
         jobs.append(lambda: {"lcppb_serve": batched.serve(prompts)})
     rounds = []
     for r in range(args.rounds):
+        prompts[:] = round_prompts[r] if round_prompts else []
         row: dict = {}
         for job in jobs[r % len(jobs):] + jobs[:r % len(jobs)]:  # the order rotates
             row.update(job())
