@@ -140,8 +140,9 @@ class PoolInstance:
         programs, self._group_fns, self._group_params = {}, [], []
         for g in self.groups:
             first, last = g.start == 0, g.stop == self.config.num_layers
+            run_cfg = self.config.replace(num_layers=len(g))
             run_graphdef, run_state = nnx.split(nnx.eval_shape(
-                lambda n=len(g): Llama(self.config.replace(num_layers=n), dtype=self.dtype)))
+                lambda cfg=run_cfg: Llama(cfg, dtype=self.dtype)))
             leaves = _run_leaves(state, run_state, g)
             if (len(g), first, last) not in programs:
                 programs[len(g), first, last] = jax.jit(
