@@ -137,12 +137,14 @@ class PoolInstance:
         # pool never compiles a whole-model prefill it does not run.
         self.groups = layer_groups(self.config.num_layers,
                                    layer_group_size or self.config.num_layers)
-        programs, self._group_fns, self._group_params = {}, [], []
+        runs, programs, self._group_fns, self._group_params = {}, {}, [], []
         for g in self.groups:
             first, last = g.start == 0, g.stop == self.config.num_layers
-            run_cfg = self.config.replace(num_layers=len(g))
-            run_graphdef, run_state = nnx.split(nnx.eval_shape(
-                lambda cfg=run_cfg: Llama(cfg, dtype=self.dtype)))
+            if len(g) not in runs:  # the abstract model of a run depends on its length only
+                run_cfg = self.config.replace(num_layers=len(g))
+                runs[len(g)] = nnx.split(nnx.eval_shape(
+                    lambda cfg=run_cfg: Llama(cfg, dtype=self.dtype)))
+            run_graphdef, run_state = runs[len(g)]
             leaves = _run_leaves(state, run_state, g)
             if (len(g), first, last) not in programs:
                 programs[len(g), first, last] = jax.jit(
