@@ -231,9 +231,9 @@ def _wait_for_signal():
 def _serve_prefill(cfg, args, secret: str) -> int:
     from jaxdisagg.mesh.deployment import Deployment
     from jaxdisagg.serve.remote import PrefillService
-    from jaxdisagg.serve.server import say
+    from jaxdisagg.serve.server import StopSignals, say
 
-    stop = _wait_for_signal()
+    stop = StopSignals()
     service = PrefillService(Deployment.build(cfg, role="prefill", progress=True), args.host,
                              args.control_port, secret=secret)
     say(f"READY {service.address}")
@@ -256,11 +256,13 @@ def pool_cores(available) -> tuple[list[int], list[int]]:
 
 
 def die_with_parent() -> None:
-    """For a child's preexec_fn: SIGTERM it when the process that started it dies."""
+    """For a child's preexec_fn: SIGHUP it when the process that started it dies. A
+    serving process takes SIGHUP as "nobody is upstream": a short drain, then exit
+    (`StopSignals`); before it is serving, SIGHUP's default ends it at once."""
     import ctypes
     import signal
 
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGHUP)  # PR_SET_PDEATHSIG
 
 
 def _core_list(cores: list[int]) -> str:

@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "cpu-2proc.yaml"
 
 
-def start(*args, env=None) -> tuple[subprocess.Popen, str]:
+def start(*args, env=None, stderr=subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
     base = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.Popen([sys.executable, "-m", "jaxdisagg.cli", *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env={**base, "JAX_PLATFORMS": "cpu", **(env or {})})
     line = proc.stdout.readline()  # bounded: READY or the process exits
     assert line.startswith("READY"), f"{args[:3]} did not start: {line!r}"
@@ -335,18 +335,25 @@ def test_decode_process_killed_mid_stream(tmp_path):
         control.close()
 
 
-def test_pools_die_with_a_killed_launcher():
-    proc, line = start("launch", "--config", CONFIG, "--port", 0)
-    pids = [int(line.split(f"{role} pid ")[1].split()[0].rstrip(",):"))
-            for role in ("prefill", "decode", "router")]
-    proc.kill()  # SIGKILL: the launcher cannot clean up itself
+def test_pools_die_with_a_killed_launcher(tmp_path):
+    """SIGKILL leaves the launcher no chance to clean up: its pools must end themselves
+    (their parent-death signal), bounded by their drain watchdog even if a drain sticks."""
+    log = (tmp_path / "stderr").open("w")
+    proc, line = start("launch", "--config", CONFIG, "--port", 0, stderr=log)
+    pids = {role: int(line.split(f"{role} pid ")[1].split()[0].rstrip(",):"))
+            for role in ("prefill", "decode", "router")}
+    proc.kill()
     proc.wait(timeout=10)
-    deadline = time.monotonic() + 30
-    for pid in pids:
-        while Path(f"/proc/{pid}").exists() and "zombie" not in Path(
-                f"/proc/{pid}/status").read_text().lower():
-            assert time.monotonic() < deadline, f"pool process {pid} outlived the launcher"
+    deadline = time.monotonic() + 45  # orphan grace 3 s + watchdog margin 15 s, loaded CI
+    for role, pid in pids.items():
+        while Path(f"/proc/{pid}").exists() and "zombie" not in (
+                state := Path(f"/proc/{pid}/status").read_text()).lower():
+            assert time.monotonic() < deadline, (
+                f"{role} process {pid} outlived the launcher: "
+                f"{[x for x in state.splitlines() if x.startswith('State')]}; its stderr:\n"
+                + (tmp_path / "stderr").read_text()[-6000:])
             time.sleep(0.2)
+    assert "the launcher is gone: stopping" in (tmp_path / "stderr").read_text()
 
 
 def test_router_health_follows_its_decode_pools(reference):

@@ -427,3 +427,20 @@ def test_sigterm_drains_and_exits(server, client):
     code, out = server.stop()
     assert code == 0 and "draining" in out and "stopped" in out
     assert list(stream)[-1].finish_reason == "length"  # drained, not cut
+
+
+def test_a_drain_that_hangs_is_dumped_and_ended():
+    """The stop watchdog: a process whose drain never ends still exits, once its grace
+    and margin are spent, and its stderr says where every thread was stuck."""
+    code = ("import os, signal, threading, time\n"
+            "from jaxdisagg.serve.server import StopSignals\n"
+            "stop = StopSignals(grace=0.5, margin_s=1.0)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "stop.wait()\n"
+            "threading.Event().wait()  # a drain stuck for good\n")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode != 0 and time.monotonic() - t0 < 60
+    assert "Timeout (0:00:01" in proc.stderr and "Thread" in proc.stderr, proc.stderr
+    assert "threading.py" in proc.stderr  # the stuck wait, in the dump

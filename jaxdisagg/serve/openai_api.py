@@ -548,7 +548,9 @@ class HTTPServer:
             time.sleep(0.02)
         return self
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 30.0) -> None:
+        """Refuses new requests (503) and gives the streams in flight `grace` seconds."""
         self.front.closing.set()
+        self._server.config.timeout_graceful_shutdown = grace
         self._server.should_exit = True
-        self._thread.join(timeout=40)
+        self._thread.join(timeout=grace + 10)

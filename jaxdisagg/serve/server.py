@@ -22,6 +22,7 @@ are freed.
 from __future__ import annotations
 
 import dataclasses
+import faulthandler
 import json
 import logging
 import queue
@@ -325,17 +326,44 @@ class Server:
         self._stop.set()
         self._set_health(False)
         if self.http is not None:
-            self.http.stop()  # new requests get 503; streams in flight finish first
+            self.http.stop(grace)  # new requests get 503; streams in flight finish
         self.grpc.stop(grace).wait()
         self.engine.close()
         self.exporter.close()
 
 
+class StopSignals:
+    """How a serving process is asked to stop, and a bound on how long stopping takes.
+
+    SIGTERM / SIGINT drain: new requests are refused and those in flight get `grace`
+    seconds. SIGHUP means the launcher is gone (it is the parent-death signal `launch`
+    sets, and a closed terminal's): nobody upstream is left to drain for, so the
+    grace is `orphan_grace`. Either way a watchdog (faulthandler's, a C thread that
+    needs no GIL) dumps every thread's stack to stderr and exits if the drain has not
+    ended `margin_s` after its grace: a stop never hangs, and a stuck one says where.
+    """
+
+    def __init__(self, grace: float = 30.0, orphan_grace: float = 3.0, margin_s: float = 15.0):
+        self.event = threading.Event()
+        self.grace, self.margin_s = grace, margin_s
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self._request(grace))
+        signal.signal(signal.SIGHUP, lambda *_: self._request(orphan_grace, "the launcher is gone"))
+
+    def _request(self, grace: float, why: str | None = None) -> None:
+        self.grace = min(grace, self.grace) if self.event.is_set() else grace
+        faulthandler.dump_traceback_later(self.grace + self.margin_s, exit=True)
+        if why:
+            log.warning("%s: stopping (drain grace %.0f s)", why, self.grace)
+        self.event.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.event.wait(timeout)
+
+
 def serve_forever(server: Server, out=sys.stdout) -> None:
-    """Starts the server, prints READY, and drains on SIGTERM / SIGINT."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    """Starts the server, prints READY, and drains on a stop signal (`StopSignals`)."""
+    stop = StopSignals()
     server.start()
     metrics = f" metrics http://{server.host}:{server.metrics_port}/metrics" \
         if server.metrics_port else ""
@@ -344,7 +372,7 @@ def serve_forever(server: Server, out=sys.stdout) -> None:
     say(f"READY {server.host}:{server.port}{metrics}", out)
     stop.wait()
     say("draining", out)
-    server.stop()
+    server.stop(stop.grace)
     say("stopped", out)
 
 
