@@ -38,6 +38,14 @@ from jaxdisagg.model.rope import apply_rope, inverse_frequencies, rope_angles
 
 # attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], cache_entry) -> (out [B,T,N,H], cache_entry)
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# product(spec, x, w): the einsum `spec` of activations x and a layer weight w, which
+# contracts x's last axis with w's first. The serving entry points may pass a kernel
+# for the decode step's few rows; the default is XLA's.
+Product = Callable[[str, jax.Array, jax.Array], jax.Array]
+
+
+def xla_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+    return jnp.einsum(spec, x, w)
 
 INIT_STD = 0.02  # transformers' LlamaConfig.initializer_range
 
@@ -75,8 +83,8 @@ class Attention(nnx.Module):
         self.qkv_proj = nnx.Param(pack_qkv(q, kw, vw))  # [D, K, G+2, H]
         self.o_proj = nnx.Param(_normal(rngs, (n, h, d), dtype))  # [N, H, D]
 
-    def __call__(self, x, cos, sin, cache, attend: Attend):
-        qkv = jnp.einsum("BTD,DKCH->BTKCH", x, self.qkv_proj[...])
+    def __call__(self, x, cos, sin, cache, attend: Attend, product: Product = xla_product):
+        qkv = product("BTD,DKCH->BTKCH", x, self.qkv_proj[...])
         b, t, kv, c, h = qkv.shape
         q = qkv[:, :, :, :c - 2].reshape(b, t, kv * (c - 2), h)  # [B, T, N, H]
         k, v = qkv[:, :, :, c - 2], qkv[:, :, :, c - 1]  # [B, T, K, H]
@@ -84,7 +92,7 @@ class Attention(nnx.Module):
         out, cache = attend(q, k, v, cache)  # [B, T, N, H]
         b, t, n, h = out.shape
         o_proj = self.o_proj[...].reshape(n * h, -1)  # [N*H, D]: one plain matmul
-        return jnp.einsum("BTM,MD->BTD", out.astype(x.dtype).reshape(b, t, n * h), o_proj), cache
+        return product("BTM,MD->BTD", out.astype(x.dtype).reshape(b, t, n * h), o_proj), cache
 
 
 class MLP(nnx.Module):
@@ -94,10 +102,10 @@ class MLP(nnx.Module):
         self.gate_up_proj = nnx.Param(jnp.stack([gate, up], axis=1))  # [D, 2, F]
         self.down_proj = nnx.Param(_normal(rngs, (f, d), dtype))  # [F, D]
 
-    def __call__(self, x):
-        gate_up = jnp.einsum("BTD,DCF->BTCF", x, self.gate_up_proj[...])
+    def __call__(self, x, product: Product = xla_product):
+        gate_up = product("BTD,DCF->BTCF", x, self.gate_up_proj[...])
         gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
-        return jnp.einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
+        return product("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...])
 
 
 class DecoderLayer(nnx.Module):
@@ -107,10 +115,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x, cos, sin, cache, attend: Attend):
-        attn_out, cache = self.attn(self.input_norm(x), cos, sin, cache, attend)
+    def __call__(self, x, cos, sin, cache, attend: Attend, product: Product = xla_product):
+        attn_out, cache = self.attn(self.input_norm(x), cos, sin, cache, attend, product)
         x = x + attn_out
-        return x + self.mlp(self.post_attn_norm(x)), cache
+        return x + self.mlp(self.post_attn_norm(x), product), cache
 
 
 class Llama(nnx.Module):
@@ -129,7 +137,8 @@ class Llama(nnx.Module):
         """tokens [B, T] -> [B, T, D]."""
         return jnp.take(self.embed_tokens[...], tokens, axis=0)
 
-    def run_layers(self, x, positions, caches: Sequence[Any], attend: Attend):
+    def run_layers(self, x, positions, caches: Sequence[Any], attend: Attend,
+                   product: Product = xla_product):
         """Runs every layer over x [B, T, D] at positions [B, T].
 
         `caches` holds one entry per layer. Returns (x, updated caches).
@@ -139,7 +148,7 @@ class Llama(nnx.Module):
         cos, sin = rope_angles(positions, inv_freq)
         new_caches = []
         for layer, cache in zip(self.layers, caches, strict=True):
-            x, cache = layer(x, cos, sin, cache, attend)
+            x, cache = layer(x, cos, sin, cache, attend, product)
             new_caches.append(cache)
         return x, new_caches
 

@@ -23,9 +23,15 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxdisagg.model.config import LlamaConfig
-from jaxdisagg.model.llama import Llama
+from jaxdisagg.model.llama import Llama, Product, xla_product
 from jaxdisagg.model.sampling import RowParams, sample_with_logprobs
-from jaxdisagg.pallas.attention import AttentionSpec, decode_attention, prefill_attention
+from jaxdisagg.pallas import cpu
+from jaxdisagg.pallas.attention import (
+    AttentionSpec,
+    decode_attention,
+    prefill_attention,
+    resolve_backend,
+)
 
 Backend = str | AttentionSpec  # an attention backend's name, or one with launch shapes
 
@@ -166,6 +172,25 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
     return (_last_logits(model, x, num_valid) if last else x), _join_kv(caches)
 
 
+def step_product(backend: Backend, mesh: Mesh | None) -> Product:
+    """The decode step's layer products: on the `cpu` backend and one device, the
+    small-batch kernel for steps of 1-8 slots (`pallas/cpu_dense.cc`: 0.77x XLA's time
+    for SmolLM2's layer products at 8 rows, BENCHMARKS.md); XLA's einsum otherwise. A
+    sharded pool keeps XLA's (the kernel has no partitioning rule)."""
+    name = backend.backend if isinstance(backend, AttentionSpec) else backend
+    if resolve_backend(name) != "cpu" or (mesh is not None and mesh.size > 1):
+        return xla_product
+
+    def product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        x2, w2 = x.reshape(-1, d), w.reshape(d, -1)  # the einsums contract x[-1] with w[0]
+        if not cpu.small_product_fits(x2, w2):
+            return jnp.einsum(spec, x, w)
+        return cpu.small_product_cpu(x2, w2).reshape(*x.shape[:-1], *w.shape[1:])
+
+    return product
+
+
 def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: jax.Array,
                 positions: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
                 backend: Backend = "reference", mesh: Mesh | None = None
@@ -188,7 +213,7 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
         return out[:, None], (k_pages, v_pages)
 
     x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],
-                                 _split_kv(kv), attend)
+                                 _split_kv(kv), attend, step_product(backend, mesh))
     return model.logits(x[:, 0]), _join_kv(caches)
 
 

@@ -1,14 +1,18 @@
-"""The CPU decode attention: one XLA FFI custom call per layer (`cpu_decode.cc`).
+"""The CPU decode step's kernels, as XLA FFI custom calls: paged decode attention, one
+call per layer (`cpu_decode.cc`), and products of a few rows by a weight
+(`cpu_dense.cc`).
 
-The source ships with the package and is compiled on first use with the machine's C++
-compiler against the FFI headers jaxlib ships, into a per-user cache keyed by the
-source, jaxlib's version and the compiler command, so it is built once per machine,
-not per process. Without a compiler `available()` says why and the `auto` backend
-keeps the jnp reference; asking for `cpu` explicitly then fails with that reason.
+The sources ship with the package and are compiled on first use with the machine's
+C++ compiler against the FFI headers jaxlib ships, into one library in a per-user
+cache keyed by the sources, jaxlib's version and the compiler command, so it is built
+once per machine, not per process. Without a compiler `available()` says why and the
+`auto` backend keeps the jnp reference and XLA's products; asking for `cpu`
+explicitly then fails with that reason.
 
-The kernel reads fp32 pages (the CPU pools' dtype) with head dims in multiples of 16
-(every real model's); `attention.decode_attention` sends anything else to the
-reference. q of any dtype is computed in fp32 and cast back.
+The attention reads fp32 pages (the CPU pools' dtype) with head dims in multiples of
+16 (every real model's); `attention.decode_attention` sends anything else to the
+reference. q of any dtype is computed in fp32 and cast back. The product takes fp32,
+1-8 rows and N in multiples of 16 (`small_product_fits`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,14 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_decode.cc")
-_TARGET = "jaxdisagg_paged_decode_f32"
-_SYMBOL = "JaxdisaggPagedDecodeF32"
+_HERE = Path(__file__).parent
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_dense.cc")
+_HEADERS = (_HERE / "cpu_common.h",)
+# FFI target name -> the handler's symbol in the library
+_TARGETS = {"jaxdisagg_paged_decode_f32": "JaxdisaggPagedDecodeF32",
+            "jaxdisagg_small_product_f32": "JaxdisaggSmallBatchProductF32"}
+_ATTENTION, _PRODUCT = _TARGETS
+SMALL_PRODUCT_ROWS = 8  # the most rows the product kernel takes
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes",
           "-Wno-return-type")
 
@@ -51,7 +60,9 @@ def _build() -> Path:
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++ or clang++; or set CXX)")
     include = jax.ffi.include_dir()
-    key = hashlib.sha256(_SOURCE.read_bytes())
+    key = hashlib.sha256()
+    for f in (*_SOURCES, *_HEADERS):
+        key.update(f.read_bytes())
     key.update(" ".join((cxx, jax.lib.__version__, *_FLAGS)).encode())
     out = _cache_dir() / f"cpu_decode-{key.hexdigest()[:16]}.so"
     if out.exists():
@@ -62,27 +73,31 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *_FLAGS, f"-I{include}", str(_SOURCE), "-o", tmp]
+        cmd = [cxx, *_FLAGS, f"-I{include}", *map(str, _SOURCES), "-o", tmp]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"compiling {_SOURCE.name} failed: {done.stderr[-2000:]}")
+            names = ", ".join(f.name for f in _SOURCES)
+            raise RuntimeError(f"compiling the CPU kernels ({names}) failed: "
+                               f"{done.stderr[-2000:]}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    log.info("built the CPU decode attention kernel: %s", out)
+    log.info("built the CPU kernels: %s", out)
     return out
 
 
 @functools.cache
 def _load() -> str | None:
-    """Builds and registers the kernel; returns None when ready, else why it is not."""
+    """Builds and registers the kernels; returns None when ready, else why they are not."""
     try:
         lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(getattr(lib, _SYMBOL)),
-                                    platform="cpu")
+        for target, symbol in _TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                        platform="cpu")
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("CPU decode attention kernel unavailable, using the jnp reference: %s", e)
+        log.warning("CPU kernels unavailable, using the jnp reference and XLA's products: "
+                    "%s", e)
         return str(e)
     return None
 
@@ -110,7 +125,28 @@ def paged_decode_attention_cpu(q, k_pages, v_pages, block_tables, seq_lens, *, s
     if not supports(k_pages.dtype, q.shape[-1]) or v_pages.dtype != k_pages.dtype:
         raise TypeError(f"the cpu decode kernel reads float32 pages and head dims that are "
                         f"multiples of 16, not {k_pages.dtype} and {q.shape[-1]}")
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
                seq_lens.astype(jnp.int32), scale=np.float32(scale))
     return out.astype(q.dtype)
+
+
+def small_product_fits(x, w) -> bool:
+    """What the product kernel takes: fp32 x [M, D] with 1-8 rows, fp32 w [D, N] with N a
+    multiple of 16."""
+    return (x.ndim == 2 and w.ndim == 2 and 1 <= x.shape[0] <= SMALL_PRODUCT_ROWS
+            and x.shape[1] == w.shape[0] and w.shape[1] % 16 == 0
+            and x.dtype == jnp.float32 and w.dtype == jnp.float32)
+
+
+def small_product_cpu(x, w):
+    """x [M, D] @ w [D, N] -> fp32 [M, N], M <= 8: each thread streams a contiguous range
+    of w's rows once (`cpu_dense.cc`). Same result as `x @ w` up to summation order."""
+    if (why := _load()) is not None:
+        raise RuntimeError(f"the cpu product kernel is unavailable: {why}")
+    if not small_product_fits(x, w):
+        raise TypeError(f"the cpu product kernel takes fp32 [M<={SMALL_PRODUCT_ROWS}, D] x "
+                        f"[D, N%16==0], not {x.dtype}{list(x.shape)} x {w.dtype}{list(w.shape)}")
+    call = jax.ffi.ffi_call(_PRODUCT, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
+                                                           jnp.float32))
+    return call(x, w)

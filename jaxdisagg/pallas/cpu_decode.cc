@@ -15,22 +15,17 @@
 // (a lone slot is split too, as in flash-decoding, and the partials merged); the
 // calling thread takes items as well, so the call completes even when the pool is busy.
 
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
-#include <cstdint>
-#include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
+#include "cpu_common.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+using namespace jaxdisagg_cpu;
 
 // A masked key's score, and the running maximum of a row (or split) with no keys yet.
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -65,20 +60,9 @@ inline float fast_exp(float x) {
   return exp_reduced(x, n) * scale;
 }
 
-// 16 fp32 lanes (one AVX-512 register; the compiler splits it where vectors are
-// narrower). Head dims are multiples of 16 (the Python side checks).
-typedef float V16 __attribute__((vector_size(64)));
 typedef float V8 __attribute__((vector_size(32)));
 typedef int32_t I8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
-
-inline V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
 
 inline V8 load8(const float* p) {
   V8 v;
@@ -221,30 +205,6 @@ AttendFn attend_for(const Dims& d) {
     case 128: return attend_for_groups<128>(d.g);
     default: return attend_for_groups<0>(d.g);
   }
-}
-
-// Runs fn(0..total-1) on the caller and up to pool.num_threads() - 1 pool tasks.
-template <typename Fn>
-void parallel_for(ffi::ThreadPool& pool, int64_t total, Fn fn) {
-  struct Shared {
-    std::atomic<int64_t> next{0}, done{0};
-    std::mutex mu;
-    std::condition_variable cv;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto work = [shared, total, fn]() {
-    int64_t mine = 0;
-    for (int64_t i; (i = shared->next.fetch_add(1)) < total; ++mine) fn(i);
-    if (mine > 0 && shared->done.fetch_add(mine) + mine == total) {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      shared->cv.notify_all();
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));
-  work();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->cv.wait(lock, [&] { return shared->done.load() == total; });
 }
 
 ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k_pages,
