@@ -228,7 +228,7 @@ ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
   float* op = out->typed_data();
   // Items are (slot, split of its pages): a slot's keys split so that even one slot
   // keeps every thread busy (flash-decoding); partials are merged below.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t threads = useful_threads(pool);
   const int64_t splits = std::clamp<int64_t>((2 * threads + d.b - 1) / d.b, 1, d.p);
   const int64_t per_split = (d.p + splits - 1) / splits;
   const int64_t row = d.n * (d.h + 2);  // one partial: acc [N, H], max [N], sum [N]

@@ -78,7 +78,7 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   float* yp = y->typed_data();
   // One contiguous range of rows a thread (more parts only added partial sums: 2 and 4
   // a thread measured no better), in whole groups of kRows.
-  const int64_t parts = std::clamp<int64_t>(pool.num_threads(), 1, std::max<int64_t>(1, dd / kRows));
+  const int64_t parts = std::clamp<int64_t>(useful_threads(pool), 1, std::max<int64_t>(1, dd / kRows));
   const int64_t per = ((dd + parts - 1) / parts + kRows - 1) / kRows * kRows;
   std::vector<float> part(parts * m * n);
   float* pp = part.data();
