@@ -257,8 +257,9 @@ def pool_cores(available) -> tuple[list[int], list[int]]:
 
 def die_with_parent() -> None:
     """For a child's preexec_fn: SIGHUP it when the process that started it dies. A
-    serving process takes SIGHUP as "nobody is upstream": a short drain, then exit
-    (`StopSignals`); before it is serving, SIGHUP's default ends it at once."""
+    process listening for stops (`StopSignals`) takes SIGHUP as "nobody is upstream":
+    a short drain, then exit, bounded by its watchdog even mid-compile; one not yet
+    listening ends at once (SIGHUP's default)."""
     import ctypes
     import signal
 

@@ -174,8 +174,8 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
 
 def step_product(backend: Backend, mesh: Mesh | None) -> Product:
     """The decode step's layer products: on the `cpu` backend and one device, the
-    small-batch kernel for steps of 1-8 slots (`pallas/cpu_dense.cc`: 0.77x XLA's time
-    for SmolLM2's layer products at 8 rows, BENCHMARKS.md); XLA's einsum otherwise. A
+    small-batch kernel for steps of 1-8 slots (`pallas/cpu_dense.cc`: SmolLM2's step at
+    2-8 slots in 0.63-0.80x the time, BENCHMARKS.md); XLA's einsum otherwise. A
     sharded pool keeps XLA's (the kernel has no partitioning rule)."""
     name = backend.backend if isinstance(backend, AttentionSpec) else backend
     if resolve_backend(name) != "cpu" or (mesh is not None and mesh.size > 1):

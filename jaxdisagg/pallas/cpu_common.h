@@ -35,13 +35,20 @@ inline int64_t useful_threads(xla::ffi::ThreadPool& pool) {
 // narrower). The kernels take dims in multiples of 16 (the Python side checks).
 typedef float V16 __attribute__((vector_size(64)));
 
-inline V16 load16(const float* p) {
-  V16 v;
+// Unaligned loads and stores of a vector type V (memcpy: no aliasing or alignment
+// assumptions, and compilers emit one vector move).
+template <typename V>
+inline V load_vec(const float* p) {
+  V v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline void store16(float* p, V16 v) { std::memcpy(p, &v, sizeof v); }
+template <typename V>
+inline void store_vec(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+
+inline V16 load16(const float* p) { return load_vec<V16>(p); }
+inline void store16(float* p, V16 v) { store_vec(p, v); }
 
 // Runs fn(0..total-1) on the caller and up to useful_threads(pool) - 1 pool tasks.
 template <typename Fn>

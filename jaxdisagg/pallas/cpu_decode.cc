@@ -64,13 +64,8 @@ typedef float V8 __attribute__((vector_size(32)));
 typedef int32_t I8 __attribute__((vector_size(32)));
 typedef float V4 __attribute__((vector_size(16)));
 
-inline V8 load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline void store8(float* p, V8 v) { std::memcpy(p, &v, sizeof v); }
+inline V8 load8(const float* p) { return load_vec<V8>(p); }
+inline void store8(float* p, V8 v) { store_vec(p, v); }
 
 inline V8 splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
 
