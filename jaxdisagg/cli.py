@@ -416,6 +416,8 @@ def cmd_bench(args) -> int:
     else:
         targets = {"engine": args.config}
 
+    if not (args.url or args.server):
+        _host_devices(*targets.values())
     results, curves, raw = {}, {}, {}
     for label, where in targets.items():
         with contextlib.ExitStack() as stack:
@@ -682,7 +684,9 @@ def cmd_demo(args) -> int:
                     for c in (load_config(config), load_config(colocated)))
     elif colocated is None:
         colocated = str(CONFIGS / "cpu-colocated.yaml")
-    run_demo(config, None if args.no_compare else colocated, args.requests, args.max_tokens,
+    colocated = None if args.no_compare else colocated
+    _host_devices(config, colocated)
+    run_demo(config, colocated, args.requests, args.max_tokens,
              args.max_prompt, args.seed, sys.stdout)
     return 0
 
@@ -935,12 +939,15 @@ def _add_workload_args(parser) -> None:
                         help="request rates for attainment curves")
 
 
-def _host_devices(n: int = 8) -> None:
-    """CPU runs need n host devices for the shipped configs; the flag must be set before
-    JAX is imported and is ignored by GPU backends."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+def _host_devices(*configs) -> None:
+    """Before JAX starts: as many CPU host devices as the largest of these deployments
+    names, for commands that build more than one (a single deployment asks for its own
+    when it is built). Never a blanket 8: XLA:CPU sizes its thread pool to
+    max(cores, host devices), so spare virtual devices oversubscribe the cores."""
+    from jaxdisagg.mesh.config import devices_needed, ensure_cpu_devices, load_config
+
+    ensure_cpu_devices(max((devices_needed(load_config(c) if isinstance(c, str) else c)
+                            for c in configs if c is not None), default=1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -949,7 +956,6 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    _host_devices()
     try:
         return args.fn(args)
     except (ValueError, FileExistsError, RuntimeError) as e:  # CheckpointError: a ValueError

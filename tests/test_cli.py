@@ -26,6 +26,23 @@ def test_console_script_installed():
     assert out.returncode == 0 and "convert" in out.stdout and "generate" in out.stdout
 
 
+def test_cli_starts_jax_with_the_devices_its_configs_name():
+    """Not a blanket 8: XLA:CPU gives a process max(cores, host devices) threads, so
+    spare virtual devices would oversubscribe the cores. Without XLA_FLAGS (as a user
+    runs it), a command building two deployments gets the larger one's count."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    code = ("from jaxdisagg import cli; cli._host_devices({!r}, {!r}); "
+            "import jax; print(jax.device_count())")
+    root = Path(__file__).parents[1] / "configs"
+    for pair, want in [(("cpu-smollm2.yaml", "cpu-smollm2-colocated.yaml"), 4),
+                       (("cpu-2proc.yaml", "cpu-hetero.yaml"), 6)]:
+        out = subprocess.run([sys.executable, "-c", code.format(*(str(root / c) for c in pair))],
+                             capture_output=True, text=True, env={**env, "JAX_PLATFORMS": "cpu"},
+                             timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split()[-1] == str(want), (pair, out.stdout)
+
+
 def test_generate_default_preset_streams_text():
     out = run("generate", "--max-tokens", "5", "Hello")
     assert out.returncode == 0, out.stderr
