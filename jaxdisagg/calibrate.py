@@ -6,7 +6,8 @@ buckets, table widths) and its programs are timed as the schedulers call them:
 
 * prefill: one chunk at every compiled bucket, over no prefix and over a long one,
   with the first token sampled as the last chunk's is;
-* decode: a step with 1, half and all slots active at every compiled table width,
+* decode: a step with 1, half and all slots active, the full batch at every compiled
+  table width and the smaller ones at the full width (the programs that serve them),
   tokens copied to the host as the decode worker does: one step late under overlap
   scheduling (the default), so the host's dispatch of the next step hides under the
   device's work, as it does when served.
@@ -102,7 +103,8 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list, dict]:
             rows = row_params(params, 1, inst.config.vocab_size)
             tables = np.zeros_like(full)
             tables[:active] = full[:active]
-            for width in inst.table_widths:
+            # A smaller batch runs the full table width only (`PoolInstance.decode`).
+            for width in inst.table_widths if active == slots else inst.table_widths[-1:]:
                 lens = np.zeros(slots, np.int32)
                 lens[:active] = width * bs - 1
                 pos = np.maximum(lens - 1, 0)
@@ -119,7 +121,7 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list, dict]:
                 s = (overlapped_seconds(call, repeats) if inst.pool.overlap_steps
                      else median_seconds(step, repeats))
                 decode.append((active, width * bs, s))
-                if active == 1 and width == inst.table_widths[0]:
+                if active == 1:
                     shares["decode"] = cpu_share(step)
     return prefill, decode, shares
 
@@ -182,6 +184,7 @@ def calibrate(config, pools=None, repeats: int = 5) -> dict[str, tuple]:
         inst = Deployment.build(cfg, role=role).pools[name][0]
         prefill, decode, shares = measure_pool(inst, repeats)
         widths = [w * inst.layout.block_size for w in inst.table_widths]
-        costs = sim.fit_costs(prefill, decode or [(1, widths[0], 0.0)], widths, name)
+        costs = sim.fit_costs(prefill, decode or [(1, widths[0], 0.0)], widths, name,
+                              inst.batch_sizes)
         out[name] = (costs, {"prefill": prefill, "decode": decode, "cpu_share": shares})
     return out

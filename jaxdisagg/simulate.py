@@ -116,17 +116,21 @@ class FittedCosts:
     """Step times fitted to measurements of this project's own programs:
 
         prefill = p0 + p1 * executed tokens + p2 * attention pairs
-        decode  = d0 + d1 * active rows + d2 * width + d3 * active rows * width
+        decode  = d0 + d1 * rows + d2 * width + d3 * rows * width
 
-    The decode program always runs its `max_slots` rows over the narrowest compiled
-    table width (in tokens) that holds the longest row (`table_widths`): every active
-    row reads that many tokens of KV, and an empty row re-reads block 0 (cheap, but
-    not free), so width, not the rows' own contexts, is what attention costs."""
+    A decode step runs the active rows padded to the smallest compiled batch size
+    (`batches`); a full batch runs over the narrowest compiled table width (in tokens)
+    that holds the longest row (`table_widths`), a smaller one over the full width.
+    Every row reads its width of KV (a padding row re-reads block 0: cheap, not free),
+    so width, not the rows' own contexts, is what attention costs. No `batches`
+    (calibrations before 2026-12-02): every step ran all `max_slots` rows, and the fit
+    took the active count for `rows`."""
 
     prefill: tuple[float, float, float]
     decode: tuple[float, float, float, float]
     widths: tuple[int, ...]  # compiled table widths, in tokens
     label: str = "fitted"
+    batches: tuple[int, ...] = ()  # compiled decode batch sizes
 
     def prefill_s(self, tokens: int, prefix: int) -> float:
         p0, p1, p2 = self.prefill
@@ -134,14 +138,24 @@ class FittedCosts:
 
     def decode_s(self, active: int, kv_tokens: int, longest: int) -> float:
         d0, d1, d2, d3 = self.decode
-        width = fit(longest, self.widths)
-        return d0 + d1 * active + d2 * width + d3 * active * width
+        rows, width = decode_program(active, longest, self.widths, self.batches)
+        return d0 + d1 * rows + d2 * width + d3 * rows * width
+
+
+def decode_program(active: int, longest: int, widths, batches) -> tuple[int, int]:
+    """(rows, width in tokens) of the decode program that serves `active` rows whose
+    longest holds `longest` tokens, as `mesh.pool.PoolInstance.decode` picks it."""
+    if not batches:
+        return active, fit(longest, widths)
+    rows = fit(active, batches)
+    return rows, fit(longest, widths) if rows == batches[-1] else widths[-1]
 
 
 def fit_costs(prefill: list[tuple[int, int, float]], decode: list[tuple[int, int, float]],
-              widths, label: str = "fitted") -> FittedCosts:
+              widths, label: str = "fitted", batches=()) -> FittedCosts:
     """Least squares (coefficients kept >= 0) on (tokens, prefix, s) and (active,
-    width tokens, s) measurements."""
+    width tokens, s) measurements; each decode point stands for the program it ran
+    (`decode_program`)."""
     def solve(rows, ys):
         a, y = np.asarray(rows, float), np.asarray(ys, float)
         coef = np.linalg.lstsq(a, y, rcond=None)[0]
@@ -152,8 +166,10 @@ def fit_costs(prefill: list[tuple[int, int, float]], decode: list[tuple[int, int
         return tuple(float(c) for c in coef)
 
     p = solve([(1, t, t * (s + (t + 1) / 2)) for t, s, _ in prefill], [x[2] for x in prefill])
-    d = solve([(1, b, w, b * w) for b, w, _ in decode], [x[2] for x in decode])
-    return FittedCosts(p, d, tuple(sorted(widths)), label)
+    widths, batches = tuple(sorted(widths)), tuple(sorted(batches))
+    programs = [decode_program(a, w, widths, batches) for a, w, _ in decode]
+    d = solve([(1, b, w, b * w) for b, w in programs], [x[2] for x in decode])
+    return FittedCosts(p, d, widths, label, batches)
 
 
 # ---------------------------------------------------------------------- the system
@@ -612,5 +628,6 @@ def load_calibration(path: str | Path) -> tuple[dict[str, FittedCosts], dict]:
     """({pool: FittedCosts}, the file's other entries)."""
     data = json.loads(Path(path).read_text())
     pools = {k: FittedCosts(tuple(v["prefill"]), tuple(v["decode"]), tuple(v["widths"]),
-                            v.get("label", k)) for k, v in data.pop("pools").items()}
+                            v.get("label", k), tuple(v.get("batches", ())))
+             for k, v in data.pop("pools").items()}
     return pools, data

@@ -157,9 +157,12 @@ def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, in
     assert inst.table_widths == [1, 2, 4, 8]
     widths, real = [], inst._decode
 
-    def spy(state, kv, tokens, positions, tables, lens, rows):
-        widths.append((tables.shape[1], int(lens.max())))
-        return real(state, kv, tokens, positions, tables, lens, rows)
+    def spy(state, kv, tokens, positions, tables, lens, rows, index):
+        if len(index) == len(lens):  # a smaller batch runs the full width
+            widths.append((tables.shape[1], int(lens.max())))
+        else:
+            assert tables.shape[1] == inst.max_pages
+        return real(state, kv, tokens, positions, tables, lens, rows, index)
 
     monkeypatch.setattr(inst, "_decode", spy)
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
@@ -173,6 +176,35 @@ def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, in
         pages = -(-longest // BS)
         assert width >= pages and (width == 1 or width // 2 < pages)
     assert {w for w, _ in widths} == {2, 4, 8}  # 13 .. 41 tokens of 8 per page
+
+
+def test_a_step_runs_only_the_busy_slots(tiny_model, inst, overlap, monkeypatch):
+    """A step runs the busy slots padded to the smallest compiled batch size, not every
+    slot: as requests finish, the steps shrink to one row, and every request's tokens
+    (greedy and seeded sampling) are the ones it gets alone."""
+    assert inst.batch_sizes == [1, 3]
+    steps, real = [], inst._decode
+
+    def spy(state, kv, tokens, positions, tables, lens, rows, index):
+        steps.append((len(index), int((lens > 0).sum()), set(np.asarray(index).tolist())))
+        return real(state, kv, tokens, positions, tables, lens, rows, index)
+
+    monkeypatch.setattr(inst, "_decode", spy)
+    mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
+    sched = DecodeScheduler(inst, mgr, overlap=overlap)
+    ps = prompts(5, (4, 9, 6))
+    params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=12),
+              SamplingParams(max_tokens=7, temperature=0.8, seed=11)]
+    done, _ = run(sched, [prefilled(inst, mgr, f"r{i}", p, params[i])
+                          for i, p in enumerate(ps)])
+    ref = ReferenceGenerator(tiny_model)
+    for i, (p, sp) in enumerate(zip(ps, params, strict=True)):
+        assert done[f"r{i}"].tokens == ref.generate([p], sp, stop_token_ids=[])[0]
+    assert {n for n, _, _ in steps} == {1, 3}
+    for n, busy, rows in steps:
+        assert n == (1 if busy <= 1 else 3) and len(rows) == n  # distinct slots
+    mgr.check()
+    assert mgr.num_available == mgr.num_blocks
 
 
 def test_overlap_dispatches_the_next_step_before_reading_this_one(tiny_model, inst,

@@ -205,16 +205,34 @@ def test_fit_recovers_known_coefficients():
            for t in (16, 64, 256) for s in (0, 512, 1024)]
     dec = [(b, w, d[0] + d[1] * b + d[2] * w + d[3] * b * w) for b in (1, 4, 8)
            for w in (128, 512, 1024)]
-    fitted = sim.fit_costs(pre, dec, [128, 512])
+    fitted = sim.fit_costs(pre, dec, [128, 512, 1024])
     assert fitted.prefill == pytest.approx(p, rel=1e-6)
     assert fitted.decode == pytest.approx(d, rel=1e-6)
     # noise that would push a term below zero drops the term instead
     flat = [(b, w, 0.004 + rng.normal(0, 1e-6)) for b, w, _ in dec]
-    assert min(sim.fit_costs(pre, flat, [128, 512]).decode) >= 0
+    assert min(sim.fit_costs(pre, flat, [128, 512, 1024]).decode) >= 0
+
+
+def test_a_fit_over_batch_sizes_costs_the_program_that_ran():
+    """With compiled batch sizes, 3 active rows run the 4-row program at the full width,
+    and 8 over the narrowest width that holds the longest: the fit and `decode_s` both
+    cost those programs, not the active rows. (Measured only where programs run, the
+    four coefficients are not all identifiable; every program that runs is.)"""
+    d, widths, batches = (0.004, 2e-4, 1e-6, 5e-7), (128, 512, 1024), (1, 2, 4, 8)
+    def cost(rows, width):
+        return d[0] + d[1] * rows + d[2] * width + d[3] * rows * width
+    dec = [(1, 1024, cost(1, 1024)), (4, 1024, cost(4, 1024))] + [
+        (8, w, cost(8, w)) for w in widths]
+    fitted = sim.fit_costs([(16, 0, 1.0), (32, 0, 2.0), (64, 64, 4.0)], dec, widths,
+                           batches=batches)
+    assert fitted.decode_s(2, 300, 100) == pytest.approx(cost(2, 1024))
+    assert fitted.decode_s(3, 300, 100) == pytest.approx(cost(4, 1024))
+    assert fitted.decode_s(8, 800, 100) == pytest.approx(cost(8, 128))
+    assert fitted.decode_s(1, 1000, 1000) == pytest.approx(cost(1, 1024))
 
 
 def test_calibration_file_round_trips(tmp_path):
-    c = sim.FittedCosts((1.0, 2.0, 3.0), (4.0, 5.0, 6.0, 7.0), (16, 32), "decode")
+    c = sim.FittedCosts((1.0, 2.0, 3.0), (4.0, 5.0, 6.0, 7.0), (16, 32), "decode", (1, 2))
     sim.save_calibration(tmp_path / "c.json", {"decode": (c, {"prefill": [], "decode": []})},
                          {"config": "x"})
     loaded, extra = sim.load_calibration(tmp_path / "c.json")
@@ -366,10 +384,14 @@ def test_calibration_measures_a_pool_and_busy_keeps_one_loaded(tmp_path, capsys)
     points = json.loads(out.read_text())["pools"]["decode"]["points"]["decode"]
     assert extra["config"] == "configs/cpu-2proc.yaml" and points
     assert all(s > 0 for *_, s in points)
-    widths = fitted["decode"].widths
-    small, full = fitted["decode"].decode_s(1, 16, 16), fitted["decode"].decode_s(8, 8 * 16, 16)
+    widths, batches = fitted["decode"].widths, fitted["decode"].batches
+    assert batches == (1, 2, 4, 8)  # the 8-slot pool's compiled batch sizes
+    w = widths[-1]
+    small, full = fitted["decode"].decode_s(1, w, w), fitted["decode"].decode_s(8, 8 * w, w)
     assert 0 < small <= full  # more rows never cost less: coefficients kept >= 0
-    assert len(points) == 3 * len(widths)  # 1, half and all slots at every width
+    # all slots at every width; 1 and half of them at the full width, which serves them
+    assert sorted((a, t) for a, t, _ in points) == sorted(
+        [(1, w), (4, w)] + [(8, t) for t in widths])
     share = json.loads(out.read_text())["pools"]["decode"]["points"]["cpu_share"]
     assert set(share) == {"prefill", "decode"}  # a lone request's chunk and step
     assert all(0 < v <= os.cpu_count() + 0.5 for v in share.values())

@@ -28,7 +28,7 @@ from jaxdisagg.model.llama import Llama
 from jaxdisagg.model.paged import (
     KVLayout,
     KVPages,
-    decode_sample_step,
+    decode_sample_rows,
     decode_step,
     prefill_chunk_group,
     smallest_fit,
@@ -49,6 +49,15 @@ def chunk_buckets(chunk_size: int, step: int = 16, fine_up_to: int = 64) -> list
         sizes.add(size)
         size *= 2
     return sorted(sizes | {chunk_size})
+
+
+def step_rows(seq_lens: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """The slots a decode step runs: every busy one (seq_len > 0), padded with idle ones
+    to the smallest compiled batch size (sorted `sizes`) that holds them."""
+    busy = np.flatnonzero(seq_lens > 0)
+    k = smallest_fit(max(1, len(busy)), sizes)
+    idle = np.flatnonzero(seq_lens <= 0)[:k - len(busy)]
+    return np.concatenate([busy, idle]).astype(np.int32)
 
 
 def layer_groups(num_layers: int, group_size: int) -> list[range]:
@@ -118,9 +127,9 @@ class PoolInstance:
         rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
         self._decode = jax.jit(
-            _over_leaves(decode_sample_step, treedef, graphdef, backend=attention,
+            _over_leaves(decode_sample_rows, treedef, graphdef, backend=attention,
                          mesh=self.mesh),
-            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep, rep),
+            in_shardings=(self._state_sharding, kv_sh, rep, rep, rep, rep, rep, rep),
             out_shardings=(rep, rep, kv_sh), donate_argnums=(1,))
         self._decode_logits = jax.jit(
             _over_leaves(decode_step, treedef, graphdef, backend=attention, mesh=self.mesh),
@@ -131,6 +140,7 @@ class PoolInstance:
         self._feed = jax.jit(lambda prev, host, carried: jnp.where(carried, prev, host),
                              in_shardings=(rep, rep, rep), out_shardings=rep)
         self.table_widths = table_widths(self.max_pages)
+        self.batch_sizes = table_widths(pool.max_slots)  # rows a decode step runs
         self.chunk_buckets = chunk_buckets(pool.chunk_size)
         # Prefill runs layer group by layer group (one group when not streaming), each
         # group a model of its own layers: equal groups share one program and the
@@ -199,12 +209,20 @@ class PoolInstance:
                seq_lens: np.ndarray, rows: RowParams) -> tuple[jax.Array, jax.Array]:
         """One step for max_slots slots, sampled on device -> (tokens [B], logprobs [B]).
 
-        The block tables are cut to the narrowest compiled width that holds the
-        longest sequence, so attention reads what the batch holds, not max_pages."""
-        pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
-        width = smallest_fit(pages, self.table_widths)
+        Only the busy slots (seq_lens > 0) run, padded to the smallest compiled batch
+        size that holds them (`step_rows`); idle slots get 0. A full batch's block
+        tables are cut to the narrowest compiled width that holds the longest sequence,
+        so attention reads what the batch holds, not max_pages. A smaller batch runs at
+        the full width: its few rows' attention is a small part of its step, and a
+        program per (batch size, width) would multiply the programs warm-up compiles
+        (SmolLM2 on 2 CPU cores: 7 s each)."""
+        index = step_rows(seq_lens, self.batch_sizes)
+        width = self.max_pages
+        if len(index) == len(seq_lens):
+            pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
+            width = smallest_fit(pages, self.table_widths)
         new, logprobs, self.kv = self._decode(self.params, self.kv, tokens, positions,
-                                              block_tables[:, :width], seq_lens, rows)
+                                              block_tables[:, :width], seq_lens, rows, index)
         return new, logprobs
 
     def feed(self, previous: jax.Array, tokens: np.ndarray, carried: np.ndarray) -> jax.Array:
@@ -256,9 +274,13 @@ class PoolInstance:
         if decode:
             zeros = np.zeros(b, np.int32)
             rows = row_params([None] * b, 0, self.config.vocab_size)
-            for width in self.table_widths:  # one program per table width
-                lens = np.full(b, width * self.layout.block_size, np.int32)
-                tables = np.tile(table, (b, 1))
+            tables = np.tile(table, (b, 1))
+            # The full batch at every table width, the smaller ones at the full width.
+            programs = ([(b, w) for w in self.table_widths]
+                        + [(k, self.max_pages) for k in self.batch_sizes[:-1]])
+            for k, width in programs:
+                lens = np.where(np.arange(b) < k, width * self.layout.block_size, 0)
+                lens = lens.astype(np.int32)
                 new, _ = self.decode(zeros, zeros, tables, lens, rows)
                 if self.pool.overlap_steps:  # fed on the device: a call of its own kind
                     new, _ = self.decode(self.feed(new, zeros, np.ones(b, bool)), zeros,

@@ -230,11 +230,34 @@ def decode_sample_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,
     return new, logprobs, kv
 
 
+def decode_sample_rows(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,
+                       tokens: jax.Array, positions: jax.Array, block_tables: jax.Array,
+                       seq_lens: jax.Array, rows: RowParams, index: jax.Array, *,
+                       backend: Backend = "reference",
+                       mesh: Mesh | None = None) -> tuple[jax.Array, jax.Array, KVPages]:
+    """`decode_sample_step` on rows `index` [K] of a B-slot batch: those K rows are
+    gathered, stepped, and their tokens and logprobs put back at their slots ([B], the
+    other slots 0). A batch with few slots busy then runs a K-row step, not a B-row
+    one: on CPU the 1-row SmolLM2 step takes about half the 8-row one. Each row's
+    result does not depend on which others share the step (per-row sampling keys)."""
+    def take(a):
+        return a[index]
+
+    new, logprobs, kv = decode_sample_step(
+        graphdef, state, kv, take(tokens), take(positions), take(block_tables),
+        take(seq_lens), RowParams(*map(take, rows)), backend=backend, mesh=mesh)
+    b = tokens.shape[0]
+    return (jnp.zeros(b, new.dtype).at[index].set(new),
+            jnp.zeros(b, logprobs.dtype).at[index].set(logprobs), kv)
+
+
 def table_widths(max_pages: int, count: int = 4) -> list[int]:
     """The block-table widths decode programs are compiled for: max_pages, then
     halves of it (at most `count`). Attention reads every page a table lists, so
-    a batch of short sequences runs the narrowest width that holds its longest."""
+    a batch of short sequences runs the narrowest width that holds its longest. The
+    same halving gives the decode batch sizes from max_slots."""
     return sorted({max(1, max_pages >> k) for k in range(count)})
+
 
 
 def smallest_fit(n: int, sizes: list[int]) -> int:
