@@ -174,10 +174,12 @@ def contention(alone: list, loaded: list) -> float:
 def calibrate(config, pools=None, repeats: int = 5) -> dict[str, tuple]:
     """{pool: (FittedCosts, measured points)} for each pool (of `pools`, default all)
     of a deployment config."""
-    from jaxdisagg.mesh.config import load_config
+    from jaxdisagg.mesh.config import devices_needed, ensure_cpu_devices, load_config
     from jaxdisagg.mesh.deployment import Deployment
 
     cfg = load_config(config) if isinstance(config, str) else config
+    # Pool by pool, in one process: JAX must start with the devices of all of them.
+    ensure_cpu_devices(max(devices_needed(cfg, role) for role in cfg.pools()))
     out = {}
     for name in pools or list(cfg.pools()):
         role = name if cfg.mode == "disaggregated" else None

@@ -12,7 +12,7 @@ judged at rates, sizes and hardware this machine does not have:
   instance's handoff queue is full (backpressure);
 * a decode (or colocated) instance iterates as `DecodeWorker` does: take
   handoffs while slots are free, admit (a cross-process pull runs on the decode
-  thread), piggyback one local prefill chunk, run one decode step for all slots.
+  thread), piggyback one local prefill chunk, run one decode step for the busy slots.
   The first token surfaces when the request is admitted; every later token at the
   end of a decode step.
 

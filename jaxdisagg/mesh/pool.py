@@ -124,7 +124,7 @@ class PoolInstance:
         self.page_sharding = kv_sharding(self.mesh)
         self.kv = self._allocate()
 
-        rep = replicated(self.mesh)
+        rep = self._rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
         self._decode = jax.jit(
             _over_leaves(decode_sample_rows, treedef, graphdef, backend=attention,
@@ -216,6 +216,11 @@ class PoolInstance:
         the full width: its few rows' attention is a small part of its step, and a
         program per (batch size, width) would multiply the programs warm-up compiles
         (SmolLM2 on 2 CPU cores: 7 s each)."""
+        if isinstance(tokens, np.ndarray):
+            # On the device first, as the tokens `feed` makes: a host array and a
+            # device one are traced as different inputs, and each compiled its own
+            # copy of every decode program (twice the warm-up).
+            tokens = jax.device_put(tokens, self._rep)
         index = step_rows(seq_lens, self.batch_sizes)
         width = self.max_pages
         if len(index) == len(seq_lens):
@@ -282,7 +287,7 @@ class PoolInstance:
                 lens = np.where(np.arange(b) < k, width * self.layout.block_size, 0)
                 lens = lens.astype(np.int32)
                 new, _ = self.decode(zeros, zeros, tables, lens, rows)
-                if self.pool.overlap_steps:  # fed on the device: a call of its own kind
+                if self.pool.overlap_steps:  # fed on the device: the same program
                     new, _ = self.decode(self.feed(new, zeros, np.ones(b, bool)), zeros,
                                          tables, lens, rows)
                 jax.block_until_ready(new)

@@ -15,7 +15,7 @@ only the worker's own thread ever touches them. Workers talk through queues:
 * `DecodeWorker.step` admits what is ready (locally prefilled, or transferred:
   blocks allocated, KV inserted) into free slots, piggybacks one local prefill
   chunk (short prompts, recomputation after preemption, or every prompt when
-  colocated), and runs one decode step for all slots.
+  colocated), and runs one decode step for the busy slots.
 
 Workers report through a `Listener` (the engine): tokens as they are sampled,
 lifecycle marks, and every request's end exactly once. A cancel reaches every
