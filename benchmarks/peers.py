@@ -13,7 +13,8 @@ Correctness first: last-token logits of a chat prompt against ours, and 32 greed
 tokens. Then, alternating the systems in every round (the order rotates):
 
 * prefill of 512 tokens;
-* decode B=1 at 512 tokens of context (one step); B=8 for ours and transformers
+* decode B=1 at 512 tokens of context (one step; ours: the served program, sampled on
+  the device, tokens copied to the host, one busy slot of 8); B=8 for ours and transformers
   (llama-cpp-python decodes one sequence per context);
 * serving: 16 prompts of 256 tokens (new ones each round, the same for every system
   within it), 64 new tokens each, all submitted at once to
@@ -46,12 +47,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from common import median_seconds, write_result  # noqa: E402
-from flax import nnx  # noqa: E402
 
 from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig, TransferConfig  # noqa: E402,E501
-from jaxdisagg.model import KVLayout, ReferenceGenerator, SamplingParams, jit_serving_fns  # noqa: E402,E501
+from jaxdisagg.mesh.pool import PoolInstance  # noqa: E402
+from jaxdisagg.model import ReferenceGenerator, SamplingParams  # noqa: E402
 from jaxdisagg.model.fetch import fetch  # noqa: E402
 from jaxdisagg.model.gguf import write_f32_gguf  # noqa: E402
+from jaxdisagg.model.sampling import row_params  # noqa: E402
 from jaxdisagg.model.weights import load_model  # noqa: E402
 from jaxdisagg.serve.engine import Engine  # noqa: E402
 
@@ -63,38 +65,44 @@ THREADS = os.cpu_count()
 # ------------------------------------------------------------------------ ours
 
 class Ours:
+    """The programs serving runs: one pool instance on device 0 (tp=1, 8 slots, a
+    512-token prefill chunk), its parameters passed as the flat tuple the engine
+    passes. A decode step runs the busy slots only (padded to a compiled batch size),
+    samples on the device, and its tokens are copied to the host, as the decode
+    worker reads them."""
+
     name = "jaxdisagg"
 
     def __init__(self, model):
         self.model = model
-        cfg = model.config
-        graphdef, self.state = nnx.split(model)
-        self.fns = jit_serving_fns(graphdef, backend="auto")  # as served
         pages = CONTEXT // BS + 1
-        self.layout = KVLayout.for_model(cfg, num_blocks=8 * pages + 1, block_size=BS)
-        self.kv = self.layout.allocate()
+        pool = PoolConfig(devices=[0], tp=1, block_size=BS, num_blocks=8 * pages + 1,
+                          chunk_size=CONTEXT, max_slots=8, max_pages_per_request=pages)
+        self.inst = PoolInstance("ours", model, [0], pool, backend="auto")
         self.tables = np.arange(8 * pages, dtype=np.int32).reshape(8, pages)
         rng = np.random.default_rng(0)
-        self.prompt = rng.integers(0, cfg.vocab_size, CONTEXT).astype(np.int32)
+        self.prompt = rng.integers(0, model.config.vocab_size, CONTEXT).astype(np.int32)
         for slot in range(8):  # every slot holds a real 512-token context
             self._prefill(slot)
 
     def _prefill(self, slot=0):
-        logits, self.kv = self.fns.prefill(self.state, self.kv, self.prompt, jnp.int32(0),
-                                           jnp.int32(CONTEXT), self.tables[slot])
-        logits.block_until_ready()
+        self.inst.prefill(self.prompt, 0, CONTEXT, self.tables[slot]).block_until_ready()
 
     def prefill_s(self, repeats):
         return median_seconds(self._prefill, repeats)
 
     def decode_s(self, b, repeats):
-        tokens = np.ones(b, np.int32)
-        pos = np.full(b, CONTEXT, np.int32)
+        slots = self.inst.pool.max_slots
+        busy = np.arange(slots) < b
+        tokens = np.ones(slots, np.int32)
+        pos = np.where(busy, CONTEXT, 0).astype(np.int32)
+        lens = np.where(busy, CONTEXT + 1, 0).astype(np.int32)
+        rows = row_params([SamplingParams() if x else None for x in busy], 1,
+                          self.model.config.vocab_size)
 
         def step():
-            logits, self.kv = self.fns.decode(self.state, self.kv, tokens, pos,
-                                              self.tables[:b], pos + 1)
-            logits.block_until_ready()
+            new, logprobs = self.inst.decode(tokens, pos, self.tables, lens, rows)
+            np.asarray(new), np.asarray(logprobs)
 
         return median_seconds(step, repeats)
 
