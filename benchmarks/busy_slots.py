@@ -27,17 +27,13 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 
 import numpy as np  # noqa: E402
-from common import write_result  # noqa: E402
+from common import spread, write_result  # noqa: E402
 
 from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig  # noqa: E402
 from jaxdisagg.model import SamplingParams  # noqa: E402
 from jaxdisagg.serve.engine import Engine  # noqa: E402
 
 PROMPT, NEW, SKIP, BS = 256, 48, 8, 16
-
-
-def spread(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def main(argv=None) -> int:

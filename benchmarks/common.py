@@ -25,6 +25,13 @@ def shuffled_cache(cfg, context: int, block: int, spare_pages: int, slots: int =
     return [layout.allocate()], tables.astype(np.int32), prompt, rng
 
 
+def spread(values) -> dict:
+    """Median and range of repeated measurements (rounds)."""
+    import statistics
+
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def write_result(path: str, result: dict) -> Path:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from common import median_seconds, write_result  # noqa: E402
+from common import median_seconds, spread, write_result  # noqa: E402
 
 from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig, TransferConfig  # noqa: E402,E501
 from jaxdisagg.mesh.pool import PoolInstance  # noqa: E402
@@ -311,10 +311,6 @@ class HF:
 
 PEER_NAMES = {"hf": "transformers", "lcpp_default": "llama.cpp default",
               "lcpp_fp32": "llama.cpp fp32", "lcppb": "llama.cpp fp32 batched"}
-
-
-def spread(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def fmt(s):

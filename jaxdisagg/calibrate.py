@@ -103,8 +103,7 @@ def measure_pool(inst, repeats: int = 5) -> tuple[list, list, dict]:
             rows = row_params(params, 1, inst.config.vocab_size)
             tables = np.zeros_like(full)
             tables[:active] = full[:active]
-            # A smaller batch runs the full table width only (`PoolInstance.decode`).
-            for width in inst.table_widths if active == slots else inst.table_widths[-1:]:
+            for width in inst.step_widths(active):  # the programs that serve `active`
                 lens = np.zeros(slots, np.int32)
                 lens[:active] = width * bs - 1
                 pos = np.maximum(lens - 1, 0)

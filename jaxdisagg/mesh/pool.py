@@ -222,13 +222,17 @@ class PoolInstance:
             # copy of every decode program (twice the warm-up).
             tokens = jax.device_put(tokens, self._rep)
         index = step_rows(seq_lens, self.batch_sizes)
-        width = self.max_pages
-        if len(index) == len(seq_lens):
-            pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
-            width = smallest_fit(pages, self.table_widths)
+        pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
+        width = smallest_fit(pages, self.step_widths(len(index)))
         new, logprobs, self.kv = self._decode(self.params, self.kv, tokens, positions,
                                               block_tables[:, :width], seq_lens, rows, index)
         return new, logprobs
+
+    def step_widths(self, busy: int) -> list[int]:
+        """The table widths a step with `busy` busy slots is compiled for: every width
+        for a full batch, the full width only for a smaller one (`decode`)."""
+        full = smallest_fit(max(1, busy), self.batch_sizes) == self.batch_sizes[-1]
+        return self.table_widths if full else [self.max_pages]
 
     def feed(self, previous: jax.Array, tokens: np.ndarray, carried: np.ndarray) -> jax.Array:
         """A decode step's input tokens [B] when the previous step is still in flight:
@@ -280,17 +284,15 @@ class PoolInstance:
             zeros = np.zeros(b, np.int32)
             rows = row_params([None] * b, 0, self.config.vocab_size)
             tables = np.tile(table, (b, 1))
-            # The full batch at every table width, the smaller ones at the full width.
-            programs = ([(b, w) for w in self.table_widths]
-                        + [(k, self.max_pages) for k in self.batch_sizes[:-1]])
-            for k, width in programs:
-                lens = np.where(np.arange(b) < k, width * self.layout.block_size, 0)
-                lens = lens.astype(np.int32)
-                new, _ = self.decode(zeros, zeros, tables, lens, rows)
-                if self.pool.overlap_steps:  # fed on the device: the same program
-                    new, _ = self.decode(self.feed(new, zeros, np.ones(b, bool)), zeros,
-                                         tables, lens, rows)
-                jax.block_until_ready(new)
+            for k in self.batch_sizes:  # one program per batch size and its widths
+                for width in self.step_widths(k):
+                    lens = np.where(np.arange(b) < k, width * self.layout.block_size, 0)
+                    lens = lens.astype(np.int32)
+                    new, _ = self.decode(zeros, zeros, tables, lens, rows)
+                    if self.pool.overlap_steps:  # fed on the device: the same program
+                        new, _ = self.decode(self.feed(new, zeros, np.ones(b, bool)),
+                                             zeros, tables, lens, rows)
+                    jax.block_until_ready(new)
         if self.pool.host_cache_blocks:
             self.write_block(self.read_block(0), 0)
         self.kv = self._allocate()  # warm-up wrote into the last block: start clean
