@@ -1,7 +1,10 @@
-"""The CPU small-batch product kernel (`pallas/cpu_dense.cc`) against numpy in float64
-on random shapes (ragged contraction lengths, 1-8 rows, threads' row ranges of every
-size), the decode step's choice of it (cpu backend, one device, what it takes), and
-whole decode steps with and without it."""
+"""The CPU small-batch product kernels (`pallas/cpu_dense.cc`) against numpy in float64
+on random shapes (the layers': ragged contraction lengths, 1-8 rows, threads' row ranges
+of every size; the tied head's: 1-32 rows, vocabularies of any size), the decode step's
+choice of them (cpu backend, one device, what they take), and whole decode steps with
+and without them."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +19,7 @@ from jaxdisagg.model import decode_step, get_preset, paged
 from jaxdisagg.model.llama import Llama, xla_product
 from jaxdisagg.pallas import cpu
 
-TARGET = "jaxdisagg_small_product_f32"
+TARGET, HEAD = "jaxdisagg_small_product_f32", "jaxdisagg_tied_head_f32"
 
 
 @settings(max_examples=40, deadline=None)
@@ -40,8 +43,30 @@ def test_refuses_what_it_does_not_take():
         cpu.small_product_cpu(x, w)
 
 
-def _uses_kernel(backend, mesh, b, dtype=jnp.float32) -> bool:
-    model = Llama(get_preset("tiny"), dtype=dtype)
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 32), d16=st.integers(1, 45), v=st.integers(1, 3000),
+       seed=st.integers(0, 2**31 - 1))
+def test_the_head_matches_numpy_on_random_shapes(m, d16, v, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((m, 16 * d16)).astype(np.float32)
+    e = rng.standard_normal((v, 16 * d16)).astype(np.float32)
+    got = np.asarray(jax.jit(cpu.tied_head_cpu)(x, e))
+    want = x.astype(np.float64) @ e.astype(np.float64).T
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.sqrt(16 * d16), rtol=1e-5)
+
+
+def test_the_head_refuses_what_it_does_not_take():
+    x, e = jnp.ones((33, 64)), jnp.ones((100, 64))
+    assert not cpu.tied_head_fits(x, e)  # 33 rows
+    assert not cpu.tied_head_fits(jnp.ones((2, 24)), jnp.ones((100, 24)))  # D % 16
+    assert not cpu.tied_head_fits(x[:2].astype(jnp.bfloat16), e.astype(jnp.bfloat16))
+    with pytest.raises(TypeError, match="fp32"):
+        cpu.tied_head_cpu(x, e)
+
+
+def _lowered(backend, mesh, b, dtype=jnp.float32, tied=True) -> str:
+    cfg = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=tied)
+    model = Llama(cfg, dtype=dtype)
     graphdef, state = nnx.split(model)
     cfg = model.config
     pages = jnp.zeros((9, 4, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
@@ -49,7 +74,11 @@ def _uses_kernel(backend, mesh, b, dtype=jnp.float32) -> bool:
     args = (state, kv, jnp.zeros(b, jnp.int32), jnp.zeros(b, jnp.int32),
             jnp.zeros((b, 2), jnp.int32), jnp.ones(b, jnp.int32))
     fn = jax.jit(lambda *a: decode_step(graphdef, *a, backend=backend, mesh=mesh))
-    return TARGET in fn.lower(*args).as_text()
+    return fn.lower(*args).as_text()
+
+
+def _uses_kernel(backend, mesh, b, dtype=jnp.float32) -> bool:
+    return TARGET in _lowered(backend, mesh, b, dtype)
 
 
 def test_the_decode_step_takes_it_where_it_fits():
@@ -61,9 +90,20 @@ def test_the_decode_step_takes_it_where_it_fits():
     assert not _uses_kernel("cpu", one, 1, jnp.bfloat16)  # bf16 weights: XLA's
 
 
-@pytest.mark.parametrize("b", [1, 3, 8])
-def test_decode_steps_with_and_without_it_agree(b, monkeypatch):
-    cfg = get_preset("tiny")
+def test_the_decode_step_takes_the_head_kernel_where_it_fits():
+    one = make_mesh([0])
+    assert HEAD in _lowered("cpu", one, 1) and HEAD in _lowered("auto", None, 32)
+    assert HEAD not in _lowered("cpu", one, 33)
+    assert HEAD not in _lowered("cpu", one, 8, tied=False)  # a [D, V] head: layers' kernel
+    assert HEAD not in _lowered("reference", one, 8)
+    assert HEAD not in _lowered("cpu", make_mesh([0, 1]), 8)
+    assert HEAD not in _lowered("cpu", one, 8, jnp.bfloat16)
+
+
+@pytest.mark.parametrize("b", [1, 3, 8, 12])
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_steps_with_and_without_it_agree(b, tied, monkeypatch):
+    cfg = dataclasses.replace(get_preset("tiny"), tie_word_embeddings=tied)
     graphdef, state = nnx.split(Llama(cfg, seed=1))
     rng = np.random.default_rng(b)
     nb, bs, pages = 4 * b + 1, 4, 4

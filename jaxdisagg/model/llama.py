@@ -38,10 +38,12 @@ from jaxdisagg.model.rope import apply_rope, inverse_frequencies, rope_angles
 
 # attend(q [B,T,N,H], k [B,T,K,H], v [B,T,K,H], cache_entry) -> (out [B,T,N,H], cache_entry)
 Attend = Callable[[jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
-# product(spec, x, w): the einsum `spec` of activations x and a layer weight w, which
-# contracts x's last axis with w's first. The serving entry points may pass a kernel
-# for the decode step's few rows; the default is XLA's.
+# product(spec, x, w): the einsum `spec` of activations x and a weight w, which
+# contracts x's last axis with w's first, or, for the tied LM head (`TIED_HEAD`), with
+# its last. The serving entry points may pass a kernel for the decode step's few rows;
+# the default is XLA's.
 Product = Callable[[str, jax.Array, jax.Array], jax.Array]
+TIED_HEAD = "...D,VD->...V"
 
 
 def xla_product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -152,13 +154,13 @@ class Llama(nnx.Module):
             new_caches.append(cache)
         return x, new_caches
 
-    def logits(self, x: jax.Array) -> jax.Array:
+    def logits(self, x: jax.Array, product: Product = xla_product) -> jax.Array:
         """Final norm and LM head: [..., D] -> fp32 [..., V]."""
         x = self.norm(x)
         if self.lm_head is None:
-            out = jnp.einsum("...D,VD->...V", x, self.embed_tokens[...])
+            out = product(TIED_HEAD, x, self.embed_tokens[...])
         else:
-            out = jnp.einsum("...D,DV->...V", x, self.lm_head[...])
+            out = product("...D,DV->...V", x, self.lm_head[...])
         return out.astype(jnp.float32)
 
     def __call__(self, tokens, positions, caches, attend: Attend):

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxdisagg.model.config import LlamaConfig
-from jaxdisagg.model.llama import Llama, Product, xla_product
+from jaxdisagg.model.llama import TIED_HEAD, Llama, Product, xla_product
 from jaxdisagg.model.sampling import RowParams, sample_with_logprobs
 from jaxdisagg.pallas import cpu
 from jaxdisagg.pallas.attention import (
@@ -173,15 +173,22 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
 
 
 def step_product(backend: Backend, mesh: Mesh | None) -> Product:
-    """The decode step's layer products: on the `cpu` backend and one device, the
-    small-batch kernel for steps of 1-8 slots (`pallas/cpu_dense.cc`: SmolLM2's step at
-    2-8 slots in 0.63-0.80x the time, BENCHMARKS.md); XLA's einsum otherwise. A
-    sharded pool keeps XLA's (the kernel has no partitioning rule)."""
+    """The decode step's products: on the `cpu` backend and one device, the small-batch
+    kernels of `pallas/cpu_dense.cc` (BENCHMARKS.md): the layers' at 1-8 slots
+    (SmolLM2's step at 2-8 slots in 0.63-0.80x the time), a tied LM head's at 1-32
+    (SmolLM2's head alone in 0.45-0.50x XLA's time at 2-8 rows, 0.8x at 1 and 32);
+    XLA's einsum otherwise. A sharded pool keeps XLA's (the kernels have no
+    partitioning rule)."""
     name = backend.backend if isinstance(backend, AttentionSpec) else backend
     if resolve_backend(name) != "cpu" or (mesh is not None and mesh.size > 1):
         return xla_product
 
     def product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        if spec == TIED_HEAD:
+            x2 = x.reshape(-1, x.shape[-1])
+            if not cpu.tied_head_fits(x2, w):
+                return jnp.einsum(spec, x, w)
+            return cpu.tied_head_cpu(x2, w).reshape(*x.shape[:-1], w.shape[0])
         d = x.shape[-1]
         x2, w2 = x.reshape(-1, d), w.reshape(d, -1)  # the einsums contract x[-1] with w[0]
         if not cpu.small_product_fits(x2, w2):
@@ -212,9 +219,10 @@ def decode_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages, tokens: j
                                scale=scale, backend=backend, mesh=mesh)
         return out[:, None], (k_pages, v_pages)
 
+    product = step_product(backend, mesh)
     x, caches = model.run_layers(model.embed(tokens[:, None]), positions[:, None],
-                                 _split_kv(kv), attend, step_product(backend, mesh))
-    return model.logits(x[:, 0]), _join_kv(caches)
+                                 _split_kv(kv), attend, product)
+    return model.logits(x[:, 0], product), _join_kv(caches)
 
 
 def decode_sample_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,

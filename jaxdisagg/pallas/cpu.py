@@ -38,9 +38,11 @@ _SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_dense.cc")
 _HEADERS = (_HERE / "cpu_common.h",)
 # FFI target name -> the handler's symbol in the library
 _TARGETS = {"jaxdisagg_paged_decode_f32": "JaxdisaggPagedDecodeF32",
-            "jaxdisagg_small_product_f32": "JaxdisaggSmallBatchProductF32"}
-_ATTENTION, _PRODUCT = _TARGETS
+            "jaxdisagg_small_product_f32": "JaxdisaggSmallBatchProductF32",
+            "jaxdisagg_tied_head_f32": "JaxdisaggTiedHeadF32"}
+_ATTENTION, _PRODUCT, _HEAD = _TARGETS
 SMALL_PRODUCT_ROWS = 8  # the most rows the product kernel takes
+TIED_HEAD_ROWS = 32  # and the tied head
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes",
           "-Wno-return-type")
 
@@ -150,3 +152,24 @@ def small_product_cpu(x, w):
     call = jax.ffi.ffi_call(_PRODUCT, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]),
                                                            jnp.float32))
     return call(x, w)
+
+
+def tied_head_fits(x, e) -> bool:
+    """What the head kernel takes: fp32 x [M, D] with 1-32 rows and D a multiple of 16,
+    fp32 e [V, D]."""
+    return (x.ndim == 2 and e.ndim == 2 and 1 <= x.shape[0] <= TIED_HEAD_ROWS
+            and x.shape[1] == e.shape[1] and x.shape[1] % 16 == 0
+            and x.dtype == jnp.float32 and e.dtype == jnp.float32)
+
+
+def tied_head_cpu(x, e):
+    """x [M, D] @ e [V, D]^T -> fp32 [M, V], M <= 32: the LM head of a model whose head is
+    its embedding, each thread streaming a contiguous range of e's rows once
+    (`cpu_dense.cc`). Same result as `x @ e.T` up to summation order."""
+    if (why := _load()) is not None:
+        raise RuntimeError(f"the cpu head kernel is unavailable: {why}")
+    if not tied_head_fits(x, e):
+        raise TypeError(f"the cpu head kernel takes fp32 [M<={TIED_HEAD_ROWS}, D%16==0] x "
+                        f"[V, D], not {x.dtype}{list(x.shape)} x {e.dtype}{list(e.shape)}")
+    call = jax.ffi.ffi_call(_HEAD, jax.ShapeDtypeStruct((x.shape[0], e.shape[0]), jnp.float32))
+    return call(x, e)

@@ -50,6 +50,18 @@ inline void store_vec(float* p, V v) { std::memcpy(p, &v, sizeof v); }
 inline V16 load16(const float* p) { return load_vec<V16>(p); }
 inline void store16(float* p, V16 v) { store_vec(p, v); }
 
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+// The sum of a vector's 16 lanes.
+inline float hsum(V16 v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V4 b =
+      __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
 // Runs fn(0..total-1) on the caller and up to useful_threads(pool) - 1 pool tasks.
 template <typename Fn>
 void parallel_for(xla::ffi::ThreadPool& pool, int64_t total, Fn fn) {

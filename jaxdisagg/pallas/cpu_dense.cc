@@ -1,5 +1,6 @@
-// Products of a few rows by a weight, y [M, N] = x [M, D] @ w [D, N], for the decode
-// step on XLA:CPU (M = the slots of a batch, 1-8).
+// Products of a few rows by a weight for the decode step on XLA:CPU (M = the slots of
+// a batch): y [M, N] = x [M, D] @ w [D, N] (the layers, 1-8 rows), and the tied LM
+// head's y [M, V] = x [M, D] @ e [V, D]^T.
 //
 // At a few rows a product is a stream of its weight from memory; XLA:CPU's library
 // GEMMs reach 12-21 GB/s there on SmolLM2's shapes, against ~28 GB/s the memory
@@ -8,6 +9,7 @@
 // hardware prefetchers follow), using each loaded chunk for all M rows of x; the
 // threads' partial sums are added at the end. BENCHMARKS.md has the measurements.
 
+#include <utility>
 #include <vector>
 
 #include "cpu_common.h"
@@ -36,6 +38,8 @@ void rows_product(const float* x, int64_t dd, const float* w, int64_t n, int64_t
       for (int m = 0; m < M; ++m) acc[m] = load16(y + m * n + j);
       for (int i = 0; i < kRows; ++i) {
         const V16 v = load16(w0 + i * n + j);
+        // The next group's rows, into L2: 0.80-0.94x the time at 1-8 rows of x.
+        __builtin_prefetch(w0 + (kRows + i) * n + j, 0, 2);
         for (int m = 0; m < M; ++m) acc[m] += a[m][i] * v;
       }
       for (int m = 0; m < M; ++m) store16(y + m * n + j, acc[m]);
@@ -94,7 +98,101 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
+// Rows of e the head kernel prefetches (into L2) ahead of the ones it reads. At 4+ rows
+// of x the multiply-adds take long enough that the hardware prefetcher falls behind:
+// one thread read SmolLM2's head at 6.2 GB/s without this and 9.6 GB/s with it at 8
+// rows (fetched into L1; 2-8 rows ahead measured alike). Into L2, two threads read it
+// at 25-27 GB/s at 1-8 rows, this machine's streaming rate.
+constexpr int64_t kAhead = 4;
+
+// The tied head: y[m, v] = x[m] . e[v] for v in [v0, v1), kR rows of e side by side
+// (each row of e is one sequential stream of D floats), every loaded chunk used for
+// all M rows of x. XLA:CPU hands this product to a GEMM that read SmolLM2's 113 MB
+// head at 8-13 GB/s at 2-8 rows (BENCHMARKS.md).
+template <int M, int kR>
+void head_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v0,
+               int64_t v1, float* y) {
+  int64_t v = v0;
+  for (; v + kR <= v1; v += kR) {
+    const float* e0 = e + v * dd;
+    V16 acc[M][kR] = {};
+    for (int64_t j = 0; j < dd; j += 16) {
+      V16 xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = load16(x + m * dd + j);
+      for (int r = 0; r < kR; ++r) {
+        const V16 c = load16(e0 + r * dd + j);
+        __builtin_prefetch(e0 + (r + kAhead) * dd + j, 0, 2);  // a hint: past the end is harmless
+        for (int m = 0; m < M; ++m) acc[m][r] += xs[m] * c;
+      }
+    }
+    for (int m = 0; m < M; ++m)
+      for (int r = 0; r < kR; ++r) y[m * nv + v + r] = hsum(acc[m][r]);
+  }
+  if (v < v1) head_rows<M, 1>(x, dd, e, nv, v, v1, y);
+}
+
+// Rows of e walked together: enough independent sums to hide the multiply-add's
+// latency at few rows of x, few enough that M x kR accumulators stay in registers.
+template <int M>
+void head_for_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v0,
+                   int64_t v1, float* y) {
+  head_rows<M, (M <= 2 ? 4 : M <= 8 ? 2 : 1)>(x, dd, e, nv, v0, v1, y);
+}
+
+using HeadFn = decltype(&head_for_rows<1>);
+
+template <int... Ms>
+HeadFn head_for(int64_t m, std::integer_sequence<int, Ms...>) {
+  HeadFn fn = nullptr;
+  ((fn = (m == Ms + 1 ? head_for_rows<Ms + 1> : fn)), ...);
+  return fn;
+}
+
+// Up to kHeadGroup rows of x go through the kernel at once (more accumulators than
+// registers spilled: 16 rows at once ran 1.1-1.2x XLA's time). More rows take e in
+// tiles of kHeadTile rows that stay in cache while every group of x's rows passes
+// over them, so e is still read from memory once.
+constexpr int64_t kHeadGroup = 8, kHeadTile = 64;
+
+void head_range(const float* x, int64_t m, int64_t dd, const float* e, int64_t nv,
+                int64_t v0, int64_t v1, float* y) {
+  for (int64_t t = v0; t < v1; t += kHeadTile)
+    for (int64_t m0 = 0; m0 < m; m0 += kHeadGroup) {
+      const HeadFn fn = head_for(std::min(kHeadGroup, m - m0),
+                                 std::make_integer_sequence<int, kHeadGroup>{});
+      fn(x + m0 * dd, dd, e, nv, t, std::min(t + kHeadTile, v1), y + m0 * nv);
+    }
+}
+
+ffi::Error head(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
+                ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), ed = e.dimensions();
+  if (xd.size() != 2 || ed.size() != 2 || xd[1] != ed[1])
+    return ffi::Error::InvalidArgument("tied head: x [M, D] and e [V, D] expected");
+  const int64_t m = xd[0], dd = xd[1], nv = ed[0];
+  if (m <= 0 || dd % 16 != 0 || nv <= 0)
+    return ffi::Error::InvalidArgument("tied head: rows, D a multiple of 16 and V expected");
+  const float* xp = x.typed_data();
+  const float* ep = e.typed_data();
+  float* yp = y->typed_data();
+  // Each thread a contiguous range of e's rows, writing its own columns of y.
+  const int64_t parts = std::clamp<int64_t>(useful_threads(pool), 1, nv);
+  const int64_t per = (nv + parts - 1) / parts;
+  parallel_for(pool, parts, [=](int64_t i) {
+    const int64_t v0 = std::min(nv, i * per), v1 = std::min(nv, v0 + per);
+    head_range(xp, m, dd, ep, nv, v0, v1, yp);
+  });
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdisaggTiedHeadF32, head,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // e [V, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdisaggSmallBatchProductF32, product,
                               ffi::Ffi::Bind()
