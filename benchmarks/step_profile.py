@@ -8,9 +8,9 @@ The decode step as served (`jit_serving_fns`, backend `auto`) at B=1 and B=8 ove
 under `jax.profiler`. The trace's complete events are grouped by kind: XLA:CPU's dot
 thunks (`dot`, or `ynn_fusion` where it hands a dot to YNNPACK), our custom calls
 (`ffi_call`: the CPU decode attention), the other fusions, and the host side of the
-call (`PjitFunction`, argument parsing). Per layer and per shape figures for the
-dots come from their order in the step (fused q/k/v, o, fused gate/up, down, then the
-LM head).
+call (`PjitFunction`, argument parsing). Per-call figures come from the calls' order in the step
+(each layer's fused q/k/v, attention, o, fused gate/up and down, then the LM head), where
+the trace has exactly those.
 Thunks may run concurrently, so kinds can sum to more than the step.
 Prints a table and writes JSON.
 """
@@ -37,7 +37,9 @@ from jaxdisagg.model.weights import load_model
 
 CONTEXT, BLOCK = 512, 16
 KINDS = ("dot", "ynn_fusion", "ffi_call", "fusion", "PjitFunction", "ParseArguments")
-DOTS = ("qkv", "o", "gate_up", "down")
+# A layer's calls in step order: at 1-8 slots on the `cpu` backend the products are
+# custom calls too (`pallas/cpu_dense.cc`), else XLA's dots; attention is a custom call.
+LAYER = ("qkv", "attention", "o", "gate_up", "down")
 
 
 def trace_events(run, steps: int) -> list[dict]:
@@ -87,13 +89,20 @@ def profile(fns, state, kv, tables, rng, vocab: int, b: int, steps: int,
     out = {"b": b, "step_s": wall,
            "kinds": {k: {"per_step": n / steps, "s_per_step": s / steps}
                      for k, (n, s) in per_kind.items()}}
-    dots = [e for e in events if kind_of(e["name"]) in ("dot", "ynn_fusion")]
-    per_step = len(DOTS) * layers + 1
-    if len(dots) == per_step * steps:  # one dot per projection, then the LM head
-        shaped = np.array([e["dur"] for e in dots]).reshape(steps, per_step) * 1e-6
-        out["dots_s"] = {name: float(np.median(shaped[:, j:-1:len(DOTS)]))
-                         for j, name in enumerate(DOTS)}
-        out["dots_s"]["lm_head"] = float(np.median(shaped[:, -1]))
+    calls = [e for e in events if kind_of(e["name"]) in ("dot", "ynn_fusion", "ffi_call")]
+    custom = [e for e in calls if kind_of(e["name"]) == "ffi_call"]
+    per_layer = len(LAYER) * layers
+    # A layer's five calls, then the LM head, either among all products or among the
+    # custom calls alone (where XLA hands small fusions to YNNPACK as well).
+    for group in (calls, custom):
+        head = len(group) == (per_layer + 1) * steps
+        if head or len(group) == per_layer * steps:
+            shaped = np.array([e["dur"] for e in group]).reshape(steps, -1) * 1e-6
+            out["calls_s"] = {name: float(np.median(shaped[:, j:per_layer:len(LAYER)]))
+                              for j, name in enumerate(LAYER)}
+            if head:
+                out["calls_s"]["lm_head"] = float(np.median(shaped[:, -1]))
+            break
     return out
 
 
@@ -125,9 +134,9 @@ def main(argv=None) -> int:
                 v = prof["kinds"][k]
                 print(f"| {k} | {v['per_step']:.0f} | {v['s_per_step'] * 1e3:.2f} | "
                       f"{v['s_per_step'] / v['per_step'] * 1e6:.0f} |")
-        if "dots_s" in prof:
-            print("per projection, median us: " + ", ".join(
-                f"{n} {s * 1e6:.0f}" for n, s in prof["dots_s"].items()))
+        if "calls_s" in prof:
+            print("per call, median us: " + ", ".join(
+                f"{n} {s * 1e6:.0f}" for n, s in prof["calls_s"].items()))
     write_result(args.out, result)
     return 0
 
