@@ -123,3 +123,45 @@ def test_decode_steps_with_and_without_it_agree(b, tied, monkeypatch):
     without = np.asarray(step())
     np.testing.assert_allclose(with_kernel, without, atol=1e-4, rtol=1e-4)
     assert (with_kernel.argmax(-1) == without.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("spin_us", [0, 200])
+def test_calls_from_two_devices_at_once_agree(spin_us):
+    """The kernels' helper threads serve one call at a time; a call that finds them
+    busy runs on XLA's pool. Two devices' programs call at once, parked or spinning."""
+    import threading
+
+    rng = np.random.default_rng(spin_us)
+    x = rng.standard_normal((4, 576)).astype(np.float32)
+    ws = [rng.standard_normal((576, 960)).astype(np.float32),
+          rng.standard_normal((960, 576)).astype(np.float32)]
+    e = rng.standard_normal((2000, 576)).astype(np.float32)
+    want = (x.astype(np.float64) @ ws[0] @ ws[1]) @ e.T.astype(np.float64)
+
+    def chain(x, w0, w1, e):
+        return cpu.tied_head_cpu(cpu.small_product_cpu(cpu.small_product_cpu(x, w0), w1), e)
+
+    fn = jax.jit(chain)
+    cpu.set_helper_spin_us(spin_us)
+    got, errors = {}, []
+
+    def run(device):
+        try:
+            args = jax.device_put((x, *ws, e), device)
+            got[device.id] = [np.asarray(fn(*args)) for _ in range(30)]
+        except Exception as exc:  # surfaced below, not swallowed by the thread
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=run, args=(d,)) for d in jax.devices()[:2]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert not any(t.is_alive() for t in threads), "a call hung"
+    finally:
+        cpu.set_helper_spin_us(200)
+    assert not errors, errors
+    for outs in got.values():
+        for out in outs:
+            np.testing.assert_allclose(out, want, rtol=1e-3, atol=1e-2 * np.abs(want).max())

@@ -104,6 +104,14 @@ def _load() -> str | None:
     return None
 
 
+def set_helper_spin_us(us: int) -> None:
+    """How long the kernels' helper threads spin after a call before they park
+    (`cpu_common.h`; default 200 us, or the JAXDISAGG_CPU_SPIN_US environment variable)."""
+    if (why := _load()) is not None:
+        raise RuntimeError(f"the cpu kernels are unavailable: {why}")
+    ctypes.cdll.LoadLibrary(str(_build())).JaxdisaggSetHelperSpinUs(ctypes.c_int64(us))
+
+
 def available() -> bool:
     return _load() is None
 

@@ -200,3 +200,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxdisaggSmallBatchProductF32, product,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x [M, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w [D, N]
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+// The helpers' spin after a call, in us (`Helpers::spin_ns`): benchmarks compare
+// spinning and parking in one process.
+extern "C" void JaxdisaggSetHelperSpinUs(int64_t us) {
+  jaxdisagg_cpu::Helpers::get().spin_ns.store(std::max<int64_t>(0, us) * 1000);
+}
