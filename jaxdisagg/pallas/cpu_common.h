@@ -94,28 +94,40 @@ class Helpers {
   }
 
   // Runs fn(0..total-1) on the caller and up to `threads` - 1 helpers; false (nothing
-  // run) when another call holds them.
+  // run) when another call holds them (or total does not fit the job word).
   template <typename Fn>
   bool run(int64_t total, int64_t threads, Fn& fn) {
+    if (total > static_cast<int64_t>(kField)) return false;
     std::unique_lock<std::mutex> hold(busy_, std::try_to_lock);
     if (!hold.owns_lock()) return false;
     grow(std::min<int64_t>(threads, total) - 1);
     call_ = [](void* f, int64_t i) { (*static_cast<Fn*>(f))(i); };
     ctx_ = &fn;
     done_.store(0);
-    const uint64_t gen = (word_.load() >> 40) + 1;
+    const uint64_t gen = ((word_.load() >> 40) + 1) & kGeneration;  // wraps at 2^24
     word_.store(gen << 40 | static_cast<uint64_t>(total) << 20);  // publishes the job
     if (sleepers_.load() > 0) {
       std::lock_guard<std::mutex> lock(mu_);
       cv_.notify_all();
     }
     work(gen);
-    while (done_.load(std::memory_order_acquire) != total) pause();
+    // A helper may hold the last items; spin a little for them, then sleep: a helper
+    // descheduled by other work on the cores (another pool's program) would otherwise
+    // keep this thread spinning on a core that helper needs.
+    const int64_t until = now_ns() + kWaitSpinNs;
+    while (done_.load() != total && now_ns() < until) pause();
+    if (done_.load() != total) {
+      std::unique_lock<std::mutex> lock(mu_);
+      waiting_.store(true);
+      done_cv_.wait(lock, [&] { return done_.load() == total; });
+      waiting_.store(false);
+    }
     return true;
   }
 
  private:
-  static constexpr uint64_t kField = (1u << 20) - 1;
+  static constexpr uint64_t kField = (1u << 20) - 1, kGeneration = (1u << 24) - 1;
+  static constexpr int64_t kWaitSpinNs = 20'000;  // the caller's, for the last items
 
   static void pause() {
 #if defined(__x86_64__)
@@ -137,7 +149,11 @@ class Helpers {
     while ((w >> 40) == gen && (w & kField) < ((w >> 20) & kField)) {
       if (!word_.compare_exchange_weak(w, w + 1)) continue;
       call_(ctx_, static_cast<int64_t>(w & kField));
-      done_.fetch_add(1, std::memory_order_release);
+      const uint64_t total = (w >> 20) & kField;
+      if (done_.fetch_add(1) + 1 == static_cast<int64_t>(total) && waiting_.load()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        done_cv_.notify_all();
+      }
       w = word_.load();
     }
   }
@@ -174,10 +190,11 @@ class Helpers {
   }()};
  private:
   std::mutex busy_, mu_;
-  std::condition_variable cv_;
+  std::condition_variable cv_, done_cv_;
   std::atomic<uint64_t> word_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleepers_{0};
+  std::atomic<bool> waiting_{false};
   int64_t started_ = 0;  // guarded by busy_
   void (*call_)(void*, int64_t) = nullptr;
   void* ctx_ = nullptr;
