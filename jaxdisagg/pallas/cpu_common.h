@@ -14,6 +14,7 @@
 #include <mutex>
 #include <thread>
 
+#include <pthread.h>
 #include <sched.h>
 #include <unistd.h>
 
@@ -77,18 +78,22 @@ inline float hsum(V16 v) {
 // so a call completes even if no helper ever runs.
 class Helpers {
  public:
-  // The process's helpers (made again in a forked child, where threads do not survive).
+  // The process's helpers, made on first use and again in a forked child, where
+  // threads do not survive (an atfork handler forgets the parent's: no getpid() on
+  // every call, which is a syscall and a step makes ~150 calls).
   static Helpers& get() {
-    static std::atomic<Helpers*> current{nullptr};
-    Helpers* h = current.load();
-    if (h == nullptr || h->pid_ != getpid()) {
-      static std::mutex make;
-      std::lock_guard<std::mutex> lock(make);
-      h = current.load();
-      if (h == nullptr || h->pid_ != getpid()) {
-        h = new Helpers();  // never freed: its detached threads use it to the end
-        current.store(h);
-      }
+    Helpers* h = current().load(std::memory_order_acquire);
+    if (h != nullptr) return *h;
+    static std::mutex make;
+    std::lock_guard<std::mutex> lock(make);
+    h = current().load(std::memory_order_acquire);
+    if (h == nullptr) {
+      static const int registered = pthread_atfork(nullptr, nullptr, [] {
+        current().store(nullptr);  // the parent's object stays, unused: it may be mid-call
+      });
+      (void)registered;
+      h = new Helpers();  // never freed: its detached threads use it to the end
+      current().store(h, std::memory_order_release);
     }
     return *h;
   }
@@ -128,6 +133,11 @@ class Helpers {
  private:
   static constexpr uint64_t kField = (1u << 20) - 1, kGeneration = (1u << 24) - 1;
   static constexpr int64_t kWaitSpinNs = 20'000;  // the caller's, for the last items
+
+  static std::atomic<Helpers*>& current() {
+    static std::atomic<Helpers*> h{nullptr};
+    return h;
+  }
 
   static void pause() {
 #if defined(__x86_64__)
@@ -180,7 +190,6 @@ class Helpers {
     }
   }
 
-  const pid_t pid_ = getpid();
  public:
   // How long a helper spins after a call before it parks, in ns: 200 us unless
   // JAXDISAGG_CPU_SPIN_US says otherwise (0: park at once, as XLA's pool threads do).
