@@ -2,16 +2,18 @@
 
 The same model's decode step (`decode_step`, backend `auto`, as served) compiled twice
 in one process: once with the layer products through `pallas/cpu_dense.cc` (what the
-`cpu` backend does at 1-8 slots), once through XLA's einsum. Rounds alternate the two
+`cpu` backend does at 1-16 slots), once through XLA's einsum. Rounds alternate the two
 programs; each round's time is a median of `--repeats` steps. Context ~512 tokens a
 slot over shuffled block tables, as `model_cpu.py`.
 
     python benchmarks/products_cpu.py [--model smollm2|PRESET|PATH] [--batches 1 2 4 8]
-                                      [--rounds 8] [--repeats 7] [--baseline xla|layers]
+                                      [--rounds 8] [--repeats 7]
+                                      [--baseline xla|layers|head]
                                       [--out benchmarks/results/products_cpu.json]
 
 `--baseline layers` compares against the layers' kernel with XLA's LM head instead,
-which isolates the tied-head kernel.
+which isolates the tied-head kernel; `--baseline head` against the head's kernel with
+XLA's layer products, which isolates the layers' kernel.
 
 Prints kernel / XLA step-time ratios (median and range over rounds) and whether the
 two programs' greedy tokens agree; writes JSON.
@@ -52,7 +54,7 @@ def main() -> None:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--baseline", choices=("xla", "layers"), default="xla")
+    p.add_argument("--baseline", choices=("xla", "layers", "head"), default="xla")
     p.add_argument("--out", default="benchmarks/results/products_cpu.json")
     args = p.parse_args()
 
@@ -70,8 +72,14 @@ def main() -> None:
         kernel = chosen(backend, mesh)
         return lambda spec, x, w: (xla_product if spec == TIED_HEAD else kernel)(spec, x, w)
 
-    baseline = layers_only if args.baseline == "layers" else (lambda *_: xla_product)
-    label = "XLA head" if args.baseline == "layers" else "XLA"  # "xla" in the JSON
+    def head_only(backend, mesh):
+        kernel = chosen(backend, mesh)
+        return lambda spec, x, w: (kernel if spec == TIED_HEAD else xla_product)(spec, x, w)
+
+    baseline = {"layers": layers_only, "head": head_only}.get(args.baseline,
+                                                             lambda *_: xla_product)
+    # what the baseline is called in the table ("xla" in the JSON)
+    label = {"layers": "XLA head", "head": "XLA layers"}.get(args.baseline, "XLA")
     fns = compiled_pair(graphdef)
     rows = []
     for b in args.batches:

@@ -37,7 +37,7 @@ from jaxdisagg.model.weights import load_model
 
 CONTEXT, BLOCK = 512, 16
 KINDS = ("dot", "ynn_fusion", "ffi_call", "fusion", "PjitFunction", "ParseArguments")
-# A layer's calls in step order: at 1-8 slots on the `cpu` backend the products are
+# A layer's calls in step order: at 1-16 slots on the `cpu` backend the products are
 # custom calls too (`pallas/cpu_dense.cc`), else XLA's dots; attention is a custom call.
 LAYER = ("qkv", "attention", "o", "gate_up", "down")
 

@@ -1,8 +1,8 @@
 """The CPU small-batch product kernels (`pallas/cpu_dense.cc`) against numpy in float64
-on random shapes (the layers': ragged contraction lengths, 1-8 rows, threads' row ranges
-of every size; the tied head's: 1-32 rows, vocabularies of any size), the decode step's
-choice of them (cpu backend, one device, what they take), and whole decode steps with
-and without them."""
+on random shapes (the layers': ragged contraction lengths, 1-16 rows (past 8 in groups
+over column tiles, ragged ones too), threads' row ranges of every size; the tied head's:
+1-32 rows, vocabularies of any size), the decode step's choice of them (cpu backend, one
+device, what they take), and whole decode steps with and without them."""
 
 import dataclasses
 
@@ -23,7 +23,7 @@ TARGET, HEAD = "jaxdisagg_small_product_f32", "jaxdisagg_tied_head_f32"
 
 
 @settings(max_examples=40, deadline=None)
-@given(m=st.integers(1, 8), d=st.integers(1, 700), n16=st.integers(1, 40),
+@given(m=st.integers(1, 16), d=st.integers(1, 700), n16=st.integers(1, 40),
        seed=st.integers(0, 2**31 - 1))
 def test_matches_numpy_on_random_shapes(m, d, n16, seed):
     rng = np.random.default_rng(seed)
@@ -35,8 +35,8 @@ def test_matches_numpy_on_random_shapes(m, d, n16, seed):
 
 
 def test_refuses_what_it_does_not_take():
-    x, w = jnp.ones((9, 64)), jnp.ones((64, 32))
-    assert not cpu.small_product_fits(x, w)  # 9 rows
+    x, w = jnp.ones((17, 64)), jnp.ones((64, 32))
+    assert not cpu.small_product_fits(x, w)  # 17 rows
     assert not cpu.small_product_fits(x[:2], jnp.ones((64, 24)))  # N not a multiple of 16
     assert not cpu.small_product_fits(x[:2].astype(jnp.bfloat16), w.astype(jnp.bfloat16))
     with pytest.raises(TypeError, match="fp32"):
@@ -83,8 +83,8 @@ def _uses_kernel(backend, mesh, b, dtype=jnp.float32) -> bool:
 
 def test_the_decode_step_takes_it_where_it_fits():
     one = make_mesh([0])
-    assert _uses_kernel("cpu", one, 1) and _uses_kernel("auto", None, 8)
-    assert not _uses_kernel("cpu", one, 9)  # more rows than the kernel takes: XLA's
+    assert _uses_kernel("cpu", one, 1) and _uses_kernel("auto", None, 16)
+    assert not _uses_kernel("cpu", one, 17)  # more rows than the kernel takes: XLA's
     assert not _uses_kernel("reference", one, 1)  # the reference backend is all jnp
     assert not _uses_kernel("cpu", make_mesh([0, 1]), 1)  # sharded: XLA partitions
     assert not _uses_kernel("cpu", one, 1, jnp.bfloat16)  # bf16 weights: XLA's

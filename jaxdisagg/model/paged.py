@@ -174,8 +174,9 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
 
 def step_product(backend: Backend, mesh: Mesh | None) -> Product:
     """The decode step's products: on the `cpu` backend and one device, the small-batch
-    kernels of `pallas/cpu_dense.cc` (BENCHMARKS.md): the layers' at 1-8 slots
-    (SmolLM2's step at 2-8 slots in 0.63-0.80x the time), a tied LM head's at 1-32
+    kernels of `pallas/cpu_dense.cc` (BENCHMARKS.md): the layers' at 1-16 slots
+    (SmolLM2's step at 2-8 slots in 0.63-0.80x the time, at 12-16 0.81-0.87x with the
+    head kernel in both), a tied LM head's at 1-32
     (SmolLM2's head alone in 0.45-0.50x XLA's time at 2-8 rows, 0.8x at 1 and 32);
     XLA's einsum otherwise. A sharded pool keeps XLA's (the kernels have no
     partitioning rule)."""

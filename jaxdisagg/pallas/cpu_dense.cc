@@ -1,5 +1,5 @@
 // Products of a few rows by a weight for the decode step on XLA:CPU (M = the slots of
-// a batch): y [M, N] = x [M, D] @ w [D, N] (the layers, 1-8 rows), and the tied LM
+// a batch): y [M, N] = x [M, D] @ w [D, N] (the layers, 1-16 rows), and the tied LM
 // head's y [M, V] = x [M, D] @ e [V, D]^T.
 //
 // At a few rows a product is a stream of its weight from memory; XLA:CPU's library
@@ -22,50 +22,73 @@ using namespace jaxdisagg_cpu;
 
 constexpr int64_t kRows = 8;  // R: rows of w walked together (8 measured best of 4, 8, 16)
 
-// y[M, N] = x[M, d0:d1] @ w[d0:d1, N] (x rows of length dd).
+// Up to kGroup rows of x pass over w at once: M x R broadcast values and M accumulators
+// stay in registers. More rows go in groups of kGroup over column tiles of kCols, so
+// the R x kCols tile one group loaded from memory is still in L1 for the next group
+// and w is read from memory once (16 rows at once spilled: 1.18x XLA's time). Past 8
+// rows the multiply-adds bound it, not memory (~110 GFLOP/s on two cores here): 30
+// layers' SmolLM2 MLP products at 12-16 rows took 0.80-0.85x XLA's time, at 24 1.05x,
+// so the kernel stops at 16 (`cpu.SMALL_PRODUCT_ROWS`). Tiles of 128-1024 measured alike.
+constexpr int64_t kGroup = 8, kCols = 256;
+
+// y[M, j0:j1] += x[M, d:d+R] @ w[d:d+R, j0:j1] (x rows of length dd, w rows of length n;
+// w0 = w + d * n). `ahead`: also fetch the next R rows into L2 (the first group of x's
+// rows does it, the others find the tile in cache).
 template <int M>
-void rows_product(const float* x, int64_t dd, const float* w, int64_t n, int64_t d0,
-                  int64_t d1, float* y) {
-  std::fill(y, y + M * n, 0.0f);
-  int64_t d = d0;
-  for (; d + kRows <= d1; d += kRows) {
-    const float* w0 = w + d * n;
-    float a[M][kRows];
-    for (int m = 0; m < M; ++m)
-      for (int i = 0; i < kRows; ++i) a[m][i] = x[m * dd + d + i];
-    for (int64_t j = 0; j < n; j += 16) {
-      V16 acc[M];
-      for (int m = 0; m < M; ++m) acc[m] = load16(y + m * n + j);
-      for (int i = 0; i < kRows; ++i) {
-        const V16 v = load16(w0 + i * n + j);
-        // The next group's rows, into L2: 0.80-0.94x the time at 1-8 rows of x.
-        __builtin_prefetch(w0 + (kRows + i) * n + j, 0, 2);
-        for (int m = 0; m < M; ++m) acc[m] += a[m][i] * v;
-      }
-      for (int m = 0; m < M; ++m) store16(y + m * n + j, acc[m]);
+void rows_tile(const float* x, int64_t dd, const float* w0, int64_t n, int64_t d,
+               int64_t j0, int64_t j1, float* y, bool ahead) {
+  float a[M][kRows];
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < kRows; ++i) a[m][i] = x[m * dd + d + i];
+  for (int64_t j = j0; j < j1; j += 16) {
+    V16 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = load16(y + m * n + j);
+    for (int i = 0; i < kRows; ++i) {
+      const V16 v = load16(w0 + i * n + j);
+      // The next group's rows, into L2: 0.80-0.94x the time at 1-8 rows of x.
+      if (ahead) __builtin_prefetch(w0 + (kRows + i) * n + j, 0, 2);
+      for (int m = 0; m < M; ++m) acc[m] += a[m][i] * v;
     }
+    for (int m = 0; m < M; ++m) store16(y + m * n + j, acc[m]);
   }
+}
+
+using TileFn = decltype(&rows_tile<1>);
+
+// rows_for<Fn>(m, make): make(k) for k == m, a variant compiled for exactly m rows
+// (1 <= m <= kGroup); nullptr otherwise.
+template <typename Fn, typename Make, int... Ms>
+Fn pick(int64_t m, Make make, std::integer_sequence<int, Ms...>) {
+  Fn fn = nullptr;
+  ((fn = (m == Ms + 1 ? make(std::integral_constant<int, Ms + 1>{}) : fn)), ...);
+  return fn;
+}
+
+template <typename Fn, typename Make>
+Fn rows_for(int64_t m, Make make) {
+  return pick<Fn>(m, make, std::make_integer_sequence<int, kGroup>{});
+}
+
+// y[m, N] = x[m, d0:d1] @ w[d0:d1, N], any m >= 1.
+void rows_product(const float* x, int64_t m, int64_t dd, const float* w, int64_t n,
+                  int64_t d0, int64_t d1, float* y) {
+  std::fill(y, y + m * n, 0.0f);
+  const int64_t cols = m <= kGroup ? n : kCols;  // one group: whole rows, as before
+  int64_t d = d0;
+  for (; d + kRows <= d1; d += kRows)
+    for (int64_t j0 = 0; j0 < n; j0 += cols)
+      for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
+        const TileFn fn = rows_for<TileFn>(std::min(kGroup, m - m0), [](auto k) -> TileFn {
+          return rows_tile<decltype(k)::value>;
+        });
+        fn(x + m0 * dd, dd, w + d * n, n, d, j0, std::min(n, j0 + cols), y + m0 * n, m0 == 0);
+      }
   for (; d < d1; ++d)
     for (int64_t j = 0; j < n; j += 16) {
       const V16 v = load16(w + d * n + j);
-      for (int m = 0; m < M; ++m) store16(y + m * n + j, load16(y + m * n + j) + x[m * dd + d] * v);
+      for (int64_t r = 0; r < m; ++r)
+        store16(y + r * n + j, load16(y + r * n + j) + x[r * dd + d] * v);
     }
-}
-
-using RowsFn = decltype(&rows_product<1>);
-
-RowsFn rows_for(int64_t m) {
-  switch (m) {
-    case 1: return rows_product<1>;
-    case 2: return rows_product<2>;
-    case 3: return rows_product<3>;
-    case 4: return rows_product<4>;
-    case 5: return rows_product<5>;
-    case 6: return rows_product<6>;
-    case 7: return rows_product<7>;
-    case 8: return rows_product<8>;
-    default: return nullptr;
-  }
 }
 
 ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
@@ -74,9 +97,8 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0])
     return ffi::Error::InvalidArgument("small-batch product: x [M, D] and w [D, N] expected");
   const int64_t m = xd[0], dd = xd[1], n = wd[1];
-  const RowsFn rows = rows_for(m);
-  if (rows == nullptr || n % 16 != 0 || dd <= 0)
-    return ffi::Error::InvalidArgument("small-batch product: 1-8 rows, N a multiple of 16");
+  if (m <= 0 || n % 16 != 0 || dd <= 0)
+    return ffi::Error::InvalidArgument("small-batch product: rows, D and N a multiple of 16 expected");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -88,7 +110,7 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   float* pp = part.data();
   parallel_for(pool, parts, [=](int64_t i) {
     const int64_t d0 = std::min(dd, i * per), d1 = std::min(dd, d0 + per);
-    rows(xp, dd, wp, n, d0, d1, pp + i * m * n);
+    rows_product(xp, m, dd, wp, n, d0, d1, pp + i * m * n);
   });
   for (int64_t j = 0; j < m * n; j += 16) {
     V16 s = load16(pp + j);
@@ -141,25 +163,19 @@ void head_for_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64
 
 using HeadFn = decltype(&head_for_rows<1>);
 
-template <int... Ms>
-HeadFn head_for(int64_t m, std::integer_sequence<int, Ms...>) {
-  HeadFn fn = nullptr;
-  ((fn = (m == Ms + 1 ? head_for_rows<Ms + 1> : fn)), ...);
-  return fn;
-}
-
 // Up to kHeadGroup rows of x go through the kernel at once (more accumulators than
 // registers spilled: 16 rows at once ran 1.1-1.2x XLA's time). More rows take e in
 // tiles of kHeadTile rows that stay in cache while every group of x's rows passes
 // over them, so e is still read from memory once.
-constexpr int64_t kHeadGroup = 8, kHeadTile = 64;
+constexpr int64_t kHeadGroup = kGroup, kHeadTile = 64;
 
 void head_range(const float* x, int64_t m, int64_t dd, const float* e, int64_t nv,
                 int64_t v0, int64_t v1, float* y) {
   for (int64_t t = v0; t < v1; t += kHeadTile)
     for (int64_t m0 = 0; m0 < m; m0 += kHeadGroup) {
-      const HeadFn fn = head_for(std::min(kHeadGroup, m - m0),
-                                 std::make_integer_sequence<int, kHeadGroup>{});
+      const HeadFn fn = rows_for<HeadFn>(std::min(kHeadGroup, m - m0), [](auto k) -> HeadFn {
+        return head_for_rows<decltype(k)::value>;
+      });
       fn(x + m0 * dd, dd, e, nv, t, std::min(t + kHeadTile, v1), y + m0 * nv);
     }
 }
