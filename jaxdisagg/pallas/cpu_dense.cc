@@ -55,8 +55,7 @@ void rows_tile(const float* x, int64_t dd, const float* w0, int64_t n, int64_t d
 
 using TileFn = decltype(&rows_tile<1>);
 
-// rows_for<Fn>(m, make): make(k) for k == m, a variant compiled for exactly m rows
-// (1 <= m <= kGroup); nullptr otherwise.
+// make(k) for k == m: a kernel's variant compiled for exactly m rows (1 <= m <= kGroup).
 template <typename Fn, typename Make, int... Ms>
 Fn pick(int64_t m, Make make, std::integer_sequence<int, Ms...>) {
   Fn fn = nullptr;
@@ -64,9 +63,18 @@ Fn pick(int64_t m, Make make, std::integer_sequence<int, Ms...>) {
   return fn;
 }
 
+// The variants for m rows of x taken kGroup at a time, picked once a call rather than
+// per tile: every group but the last has kGroup rows, the last the rest.
+template <typename Fn>
+struct Groups {
+  Fn full, last;
+  Fn at(int64_t m0, int64_t m) const { return m0 + kGroup < m ? full : last; }
+};
+
 template <typename Fn, typename Make>
-Fn rows_for(int64_t m, Make make) {
-  return pick<Fn>(m, make, std::make_integer_sequence<int, kGroup>{});
+Groups<Fn> groups_for(int64_t m, Make make) {
+  const auto seq = std::make_integer_sequence<int, kGroup>{};
+  return {pick<Fn>(kGroup, make, seq), pick<Fn>((m - 1) % kGroup + 1, make, seq)};
 }
 
 // y[m, N] = x[m, d0:d1] @ w[d0:d1, N], any m >= 1.
@@ -74,15 +82,15 @@ void rows_product(const float* x, int64_t m, int64_t dd, const float* w, int64_t
                   int64_t d0, int64_t d1, float* y) {
   std::fill(y, y + m * n, 0.0f);
   const int64_t cols = m <= kGroup ? n : kCols;  // one group: whole rows, as before
+  const auto fns = groups_for<TileFn>(m, [](auto k) -> TileFn {
+    return rows_tile<decltype(k)::value>;
+  });
   int64_t d = d0;
   for (; d + kRows <= d1; d += kRows)
     for (int64_t j0 = 0; j0 < n; j0 += cols)
-      for (int64_t m0 = 0; m0 < m; m0 += kGroup) {
-        const TileFn fn = rows_for<TileFn>(std::min(kGroup, m - m0), [](auto k) -> TileFn {
-          return rows_tile<decltype(k)::value>;
-        });
-        fn(x + m0 * dd, dd, w + d * n, n, d, j0, std::min(n, j0 + cols), y + m0 * n, m0 == 0);
-      }
+      for (int64_t m0 = 0; m0 < m; m0 += kGroup)
+        fns.at(m0, m)(x + m0 * dd, dd, w + d * n, n, d, j0, std::min(n, j0 + cols),
+                      y + m0 * n, m0 == 0);
   for (; d < d1; ++d)
     for (int64_t j = 0; j < n; j += 16) {
       const V16 v = load16(w + d * n + j);
@@ -98,7 +106,8 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
     return ffi::Error::InvalidArgument("small-batch product: x [M, D] and w [D, N] expected");
   const int64_t m = xd[0], dd = xd[1], n = wd[1];
   if (m <= 0 || n % 16 != 0 || dd <= 0)
-    return ffi::Error::InvalidArgument("small-batch product: rows, D and N a multiple of 16 expected");
+    return ffi::Error::InvalidArgument(
+        "small-batch product: rows, D and N a multiple of 16 expected");
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
@@ -163,21 +172,20 @@ void head_for_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64
 
 using HeadFn = decltype(&head_for_rows<1>);
 
-// Up to kHeadGroup rows of x go through the kernel at once (more accumulators than
+// Up to kGroup rows of x go through the kernel at once (more accumulators than
 // registers spilled: 16 rows at once ran 1.1-1.2x XLA's time). More rows take e in
 // tiles of kHeadTile rows that stay in cache while every group of x's rows passes
 // over them, so e is still read from memory once.
-constexpr int64_t kHeadGroup = kGroup, kHeadTile = 64;
+constexpr int64_t kHeadTile = 64;
 
 void head_range(const float* x, int64_t m, int64_t dd, const float* e, int64_t nv,
                 int64_t v0, int64_t v1, float* y) {
+  const auto fns = groups_for<HeadFn>(m, [](auto k) -> HeadFn {
+    return head_for_rows<decltype(k)::value>;
+  });
   for (int64_t t = v0; t < v1; t += kHeadTile)
-    for (int64_t m0 = 0; m0 < m; m0 += kHeadGroup) {
-      const HeadFn fn = rows_for<HeadFn>(std::min(kHeadGroup, m - m0), [](auto k) -> HeadFn {
-        return head_for_rows<decltype(k)::value>;
-      });
-      fn(x + m0 * dd, dd, e, nv, t, std::min(t + kHeadTile, v1), y + m0 * nv);
-    }
+    for (int64_t m0 = 0; m0 < m; m0 += kGroup)
+      fns.at(m0, m)(x + m0 * dd, dd, e, nv, t, std::min(t + kHeadTile, v1), y + m0 * nv);
 }
 
 ffi::Error head(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> e,
