@@ -93,6 +93,8 @@ class Record:
     e2e: float | None = None
     # queue, prefill, transfer (of which pull: on the decode thread), decode
     stages: dict[str, float] = field(default_factory=dict)
+    # the server's own marks (`engine.STAGES`, on its clock), the stages' source
+    timeline: dict[str, float] = field(default_factory=dict)
 
     @property
     def tpot(self) -> float | None:
@@ -135,7 +137,8 @@ class EngineTarget:
             return
         r = self.engine.result(rid)
         rec.tokens, rec.ttft, rec.itl, rec.e2e = len(r.token_ids), r.ttft_s, r.tbt_s, r.e2e_s
-        rec.stages = stages(r.timeline)
+        rec.timeline = dict(r.timeline)
+        rec.stages = stages(rec.timeline)
         if r.finish_reason == "cancelled":
             rec.status = "aborted"
         elif r.finish_reason.startswith("error"):
@@ -169,7 +172,8 @@ class ServerTarget:
         rec.ttft = times[0] - start if times else None
         rec.itl = list(np.diff(times))
         rec.e2e = time.perf_counter() - start
-        rec.stages = stages(dict(last.timings.timeline)) if last else {}
+        rec.timeline = dict(last.timings.timeline) if last else {}
+        rec.stages = stages(rec.timeline)
 
 
 class OpenAITarget:
@@ -236,7 +240,8 @@ class OpenAITarget:
         rec.ttft = times[0] - start if times else None
         rec.itl = list(np.diff(times))
         rec.e2e = time.perf_counter() - start
-        rec.stages = stages(timeline)
+        rec.timeline = dict(timeline)
+        rec.stages = stages(rec.timeline)
 
 
 def run(target, workload: Workload) -> list[Record]:
