@@ -452,8 +452,11 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             # table's bandwidth, and base its fixed part (the decode thread waits for
             # both); handoff: the offer's way to the decode process (delays only it)
             per_token = m.kv_bytes_per_token / rl.FABRICS["loopback"] + pull
+            # The prefill process serves a pull only once it computes nothing
+            # (`benchmarks/pull_stall.py`): its pinned core runs XLA or the transfer.
             transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
-                                    base_s=base, blocking=True, latency_s=handoff)
+                                    base_s=base, blocking=True, latency_s=handoff,
+                                    stalled_by_prefill=True)
             return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended,
                                           req, preq)
 

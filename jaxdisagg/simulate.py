@@ -35,6 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import json
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from functools import cache, lru_cache
@@ -207,6 +208,12 @@ class Transfer:
     base_s: float = 0.0
     blocking: bool = False
     latency_s: float = 0.0
+    # The sender serves a pull only while its prefill instance computes nothing: on a
+    # CPU the prefill process's transfer server shares its pinned core with XLA's
+    # threads. Measured (`benchmarks/pull_stall.py`): a request's KV waits out the
+    # whole prefill of the next one and lands in the pause after that one's last
+    # chunk (the host samples its first token), or when the instance idles.
+    stalled_by_prefill: bool = False
 
     def seconds(self, tokens: int) -> float:
         return self.base_s + tokens * self.bytes_per_token / self.bandwidth
@@ -351,6 +358,7 @@ class _PrefillInst(_Inst):
         self.queue: deque[_Req] = deque()
         self.pulled = sim.s.transfer is not None and sim.s.transfer.blocking
         self.held = 0  # prompt tokens of KV held: being prefilled or staged for a pull
+        self.unserved: list[_Req] = []  # staged KV that waits for this instance to idle
 
     def release(self, tokens: int) -> None:
         """The decode side pulled a request's KV: its blocks are free again."""
@@ -360,8 +368,16 @@ class _PrefillInst(_Inst):
     def queued_tokens(self) -> int:
         return sum(r.prompt - r.pos for r in self.queue)
 
+    def _serve(self, t: float) -> None:
+        """A pause in the compute: the pulls that waited for one go (after their latency)."""
+        for r in self.unserved:
+            r.transfer_ready = t + self.sim.s.transfer.latency_s
+            self.sim.at(r.transfer_ready, self.sim.dec[r.decode].wake)
+        self.unserved.clear()
+
     def iterate(self, t: float) -> float | None:
         if not self.queue:
+            self._serve(t)
             return None
         r = self.queue[0]
         n, executed, last = _chunk(self.pool, r)
@@ -370,6 +386,7 @@ class _PrefillInst(_Inst):
             if r.pos == 0:  # its KV blocks are taken when its prefill starts
                 full = self.held + r.prompt > self.pool.kv_tokens
                 if self.pool.kv_tokens and self.held and full:
+                    self._serve(t)  # idle too: what it holds can be pulled
                     return None  # woken by `release`
                 self.held += r.prompt
         elif last and not dec.room():
@@ -386,6 +403,10 @@ class _PrefillInst(_Inst):
             tr = self.sim.s.transfer
             r.transfer_ready = end + tr.latency_s + (0.0 if tr.blocking
                                                      else tr.seconds(r.prompt))
+            if tr.blocking and tr.stalled_by_prefill:
+                self._serve(end)  # the pulls already waiting, in the pause after this chunk
+                r.transfer_ready = math.inf  # set by a later `_serve`
+                self.unserved.append(r)
             dec.in_flight += 1
             self.sim.at(end, lambda: dec.receive(r))
             return end + self.sim.s.prefill_request_s
@@ -427,7 +448,8 @@ class _DecodeInst(_Inst):
             r = self.ready[0]
             if r.transferred and tr.blocking:
                 if r.transfer_ready > t:  # still in its latency: step on, come back
-                    self.sim.at(r.transfer_ready, self.wake)
+                    if r.transfer_ready < math.inf:  # (else its prefill instance wakes us)
+                        self.sim.at(r.transfer_ready, self.wake)
                     break
                 t += tr.seconds(r.prompt)
                 self.sim.pre[r.prefill].release(r.prompt)

@@ -141,6 +141,29 @@ def test_a_pulled_transfer_frees_the_prefill_from_the_decode_side_but_not_from_i
     assert ends[3] == pytest.approx(c + (out - 1) * d + c, rel=0.05)
 
 
+def test_a_stalled_pull_waits_for_its_prefill_instance_to_idle():
+    """A sender that serves pulls only while it computes nothing: of three requests
+    prefilled back to back, each one's KV lands in the pause after the next one's last
+    chunk (the last one's when the instance idles), not at its own end; with the
+    prefill side's KV full, the instance idles and serves what it holds."""
+    c, latency = 0.100, 0.005
+    tr = sim.Transfer(1, 1e12, blocking=True, latency_s=latency)
+    system = disagg(costs((c, 0.0, 0.0)), costs(decode=(0.001, 0.0, 0.0, 0.0)), transfer=tr)
+    plan = [(0.0, 16, 4)] * 3
+    free = [r.ttft for r in sim.simulate(system, plan)]
+    assert free == pytest.approx([c + latency, 2 * c + latency, 3 * c + latency])
+    stalled = dataclasses.replace(system, transfer=dataclasses.replace(
+        tr, stalled_by_prefill=True))
+    assert [r.ttft for r in sim.simulate(stalled, plan)] == pytest.approx(
+        [2 * c + latency, 3 * c + latency, 3 * c + latency], rel=0.02)
+    full = dataclasses.replace(stalled, prefill=dataclasses.replace(stalled.prefill,
+                                                                    kv_tokens=32))
+    recs = sim.simulate(full, plan)
+    assert all(r.status != "failed: never finished" for r in recs)
+    assert [r.ttft for r in recs][:2] == pytest.approx([2 * c + latency] * 2, rel=0.02)
+    assert recs[2].ttft > 3 * c + latency  # started once the first two were pulled
+
+
 def test_contention_slows_a_pool_only_while_the_other_phase_works():
     """The decode step costs `contended` times more exactly while a prefill runs: a
     request decoding alone sees plain steps; one decoding while another's 0.100 s
