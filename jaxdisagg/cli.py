@@ -563,7 +563,8 @@ def cmd_simulate(args) -> int:
                                  4 if cfg.model.dtype == "float32" else 2)
         transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS[args.fabric],
                                 args.transfer_base_ms / 1e3,
-                                blocking=cfg.transfer.kind == "cross_process")
+                                blocking=cfg.transfer.kind == "cross_process",
+                                stalled_by_prefill=args.stalled_pulls)
     system = sim.system_from_config(cfg, costs, transfer, args.iteration_ms / 1e3,
                                     args.token_ms / 1e3)
     results = {}
@@ -884,6 +885,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fabric", default="nvlink", help="KV transfer fabric (roofline FABRICS)")
     m.add_argument("--transfer-base-ms", type=float, default=0.1,
                    help="fixed cost of one KV transfer on top of bytes / fabric")
+    m.add_argument("--stalled-pulls", action="store_true",
+                   help="a cross-process pull waits for a pause in the prefill compute "
+                        "(measured on CPU: benchmarks/pull_stall.py)")
     m.add_argument("--overhead-ms", type=float, default=2.0,
                    help="roofline costs: fixed time per program call")
     m.add_argument("--iteration-ms", type=float, default=0.0,

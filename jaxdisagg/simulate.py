@@ -358,7 +358,7 @@ class _PrefillInst(_Inst):
         self.queue: deque[_Req] = deque()
         self.pulled = sim.s.transfer is not None and sim.s.transfer.blocking
         self.held = 0  # prompt tokens of KV held: being prefilled or staged for a pull
-        self.unserved: list[_Req] = []  # staged KV that waits for this instance to idle
+        self.unserved: list[_Req] = []  # staged KV waiting for a pause in the compute
 
     def release(self, tokens: int) -> None:
         """The decode side pulled a request's KV: its blocks are free again."""
