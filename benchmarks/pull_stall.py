@@ -6,8 +6,8 @@ computes the next requests? (`jaxdisagg launch`, cross-process pulls.)
 
 Sends `--requests` prompts of `--prompt` tokens, `--gap` s apart, so each one queues
 behind the one before, and prints every request's marks from the server's own
-timeline: its prefill's end, the router's receipt of its
-offer, the decode side's start of its insert (the pull done). A pull that waits for
+timeline: its prefill's end, the router's receipt of its offer, the decode side's
+start of its insert (the pull done). A pull that waits for
 the prefill compute to pause shows as an insert right after the *next* request's
 prefill end, however early the offer arrived. Each round uses fresh prompts (the
 prefix cache would otherwise serve them). Marks are the router's, each shifted by its

@@ -401,12 +401,13 @@ class _PrefillInst(_Inst):
             r.marks["prefill_end"] = end
             r.transferred = True
             tr = self.sim.s.transfer
-            r.transfer_ready = end + tr.latency_s + (0.0 if tr.blocking
-                                                     else tr.seconds(r.prompt))
             if tr.blocking and tr.stalled_by_prefill:
                 self._serve(end)  # the pulls already waiting, in the pause after this chunk
                 r.transfer_ready = math.inf  # set by a later `_serve`
                 self.unserved.append(r)
+            else:
+                r.transfer_ready = end + tr.latency_s + (0.0 if tr.blocking
+                                                         else tr.seconds(r.prompt))
             dec.in_flight += 1
             self.sim.at(end, lambda: dec.receive(r))
             return end + self.sim.s.prefill_request_s

@@ -141,7 +141,7 @@ def test_a_pulled_transfer_frees_the_prefill_from_the_decode_side_but_not_from_i
     assert ends[3] == pytest.approx(c + (out - 1) * d + c, rel=0.05)
 
 
-def test_a_stalled_pull_waits_for_its_prefill_instance_to_idle():
+def test_a_stalled_pull_waits_for_a_pause_in_its_prefill_instance():
     """A sender that serves pulls only while it computes nothing: of three requests
     prefilled back to back, each one's KV lands in the pause after the next one's last
     chunk (the last one's when the instance idles), not at its own end; with the
