@@ -72,6 +72,7 @@ PARSE_ERRORS = [
     (with_("prefill.block_size", 8), r"prefill\.block_size: 8 differs from decode\.block_size"),
     (with_("prefill", [1, 2]), r"prefill: expected a mapping of devices, tp"),
     (with_("transfer.lease_s", 0), r"transfer\.lease_s: must be positive"),
+    (with_("transfer.pull_hold_s", -0.1), r"transfer\.pull_hold_s: must be 0 \(off\) or a posi"),
     (with_("decode.decode_kernel", {"keys_per_step": 48}),
      r"decode\.decode_kernel\.keys_per_step: must be a positive power of two, got 48"),
     (with_("prefill.prefill_kernel", {"block_rows": 8}),

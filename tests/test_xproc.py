@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -82,9 +83,13 @@ def test_kv_crosses_processes_bit_for_bit_and_decodes(tiny_model, sender_tp4, pe
     offers = [o for g in inst.groups for o in sender.extract(g, SRC_BLOCKS, "req-1")]
     assert [(o.offset, o.num_pages) for o in offers[:2]] == [(0, 4), (4, 2)]
     assert sender.held() == len(offers) == 2 * len(inst.groups)
+    assert not sender.wait_released(0.05)  # nobody pulled yet: the prefill hold times out
+    # What the prefill process's hold does: wait while the receiver pulls and releases.
+    waiter = ThreadPoolExecutor(1).submit(sender.wait_released, 120.0)
     got = peer_tp2.call("receive", {"offers": [o.to_json() for o in offers],
                                     "dst_blocks": DST_BLOCKS})
     assert got["digest"] == pages_digest(inst, SRC_BLOCKS)
+    assert waiter.result(timeout=30) is True  # woken by the last release, not its timeout
     assert sender.held() == 0  # the receiver released every offer
     steps = 6
     want = ReferenceGenerator(tiny_model).generate([PROMPT], SamplingParams(max_tokens=steps),
@@ -149,9 +154,7 @@ def test_receiver_that_dies_leaves_no_kv_past_the_lease(sender_tp4):
     sender.extract(range(0, 4), SRC_BLOCKS, "req-5")
     peer.kill()  # it never pulls or releases
     assert sender.held() == 2  # runs of 4 + 2 pages
-    deadline = time.monotonic() + sender.lease_s + 3
-    while sender.held() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    assert sender.wait_released(sender.lease_s + 3)  # the reaper's expiry wakes a waiter
     assert sender.held() == 0
 
 

@@ -66,6 +66,10 @@ class TransferConfig:
     layer_group_size: int = 1
     pull_timeout_s: float = 30.0
     lease_s: float = 60.0
+    # Cross-process: after a step that offered KV, the prefill process waits up to this
+    # long for the pulls before it computes more (a pull queues behind the compute
+    # dispatched before it on a CPU client; 0 = do not wait).
+    pull_hold_s: float = 0.25
     # A request whose KV never arrives (prefill process gone, pull timed out) fails, or
     # is prefilled again on the decode instance.
     on_failure: Literal["fail", "recompute"] = "fail"
@@ -162,6 +166,9 @@ def _from_dict(cls, data, path: str):
             raise ConfigError(f"{where}: must be positive, got {kwargs[key]!r}")
         if key in ("local_prefill_threshold", "host_cache_blocks") and kwargs[key] < 0:
             raise ConfigError(f"{where}: must be 0 (off) or a positive token count, "
+                              f"got {kwargs[key]!r}")
+        if key == "pull_hold_s" and kwargs[key] < 0:
+            raise ConfigError(f"{where}: must be 0 (off) or a positive number of seconds, "
                               f"got {kwargs[key]!r}")
     try:
         return cls(**kwargs)

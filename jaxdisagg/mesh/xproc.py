@@ -118,6 +118,7 @@ class KVSender:
                                       secret=secret)
         self._held: dict[int, tuple[list[jax.Array], float]] = {}
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, daemon=True, name="kv-lease")
         self._reaper.start()
@@ -146,8 +147,9 @@ class KVSender:
 
     def drop_offers(self) -> None:
         """Forgets every offer at once (fault injection: the data is gone)."""
-        with self._lock:
+        with self._released:
             self._held.clear()
+            self._released.notify_all()
         self._server = _start_transfer_server()  # a new server: old uuids are never served
 
     def held(self) -> int:
@@ -155,24 +157,33 @@ class KVSender:
         with self._lock:
             return len(self._held)
 
+    def wait_released(self, timeout: float) -> bool:
+        """Waits until no offer is held (all pulled and released, or expired); False on
+        timeout."""
+        with self._released:
+            return self._released.wait_for(lambda: not self._held, timeout)
+
     def _on_release(self, msg: dict) -> dict:
-        with self._lock:
+        with self._released:
             released = self._held.pop(int(msg["uuid"]), None) is not None
+            self._released.notify_all()
         return {"released": released}
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(min(0.25, self.lease_s / 4)):
             now = time.monotonic()
-            with self._lock:
+            with self._released:
                 for uuid in [u for u, (_, expiry) in self._held.items() if expiry <= now]:
                     del self._held[uuid]  # the receiver never came: drop our references
+                    self._released.notify_all()
 
     def close(self) -> None:
         self._stop.set()
         self._reaper.join(timeout=2)
         self._control.stop()
-        with self._lock:
+        with self._released:
             self._held.clear()
+            self._released.notify_all()
 
 
 class KVReceiver:

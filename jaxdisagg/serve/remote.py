@@ -34,6 +34,7 @@ import time
 from concurrent import futures
 
 import grpc
+import jax
 
 from jaxdisagg.mesh.config import DeploymentConfig
 from jaxdisagg.mesh.control import ControlClient, ControlServer, load_secret
@@ -121,6 +122,7 @@ class PrefillService:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.worker.wake.clear()
+            offered = self.worker.transfers_done
             try:
                 busy = self.worker.step()
             except Exception as e:  # noqa: BLE001 - fail what is waiting, keep serving
@@ -131,6 +133,16 @@ class PrefillService:
                     self.worker.post("cancel", rid)
                     self.finish(rid, [], f"error: prefill failed: {type(e).__name__}: {e}")
                 busy = False
+            if busy and self.worker.transfers_done > offered:
+                # The pull comes within milliseconds; computing meanwhile would delay it
+                # by a whole chunk, and then the next request's first token by the pull.
+                self.sender.wait_released(self.config.transfer.pull_hold_s)
+            if busy and self.sender.held():
+                # A pull is served only after every computation dispatched before it
+                # arrives (this CPU client queues them in order: a pull waited out a
+                # whole next prefill, `benchmarks/pull_stall.py`). While offers wait,
+                # dispatch one step at a time, so a pull waits for one chunk at most.
+                jax.block_until_ready(self.worker.inst.kv)
             if not busy:
                 self.worker.wake.wait(0.05 if self.worker.idle else 0.002)
 
