@@ -564,7 +564,9 @@ def cmd_simulate(args) -> int:
         transfer = sim.Transfer(m.kv_bytes_per_token, rl.FABRICS[args.fabric],
                                 args.transfer_base_ms / 1e3,
                                 blocking=cfg.transfer.kind == "cross_process",
-                                stalled_by_prefill=args.stalled_pulls)
+                                stalled_by_prefill=args.stalled_pulls,
+                                pull_hold_s=cfg.transfer.pull_hold_s
+                                if cfg.transfer.kind == "cross_process" else 0.0)
     system = sim.system_from_config(cfg, costs, transfer, args.iteration_ms / 1e3,
                                     args.token_ms / 1e3)
     results = {}
@@ -887,7 +889,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fixed cost of one KV transfer on top of bytes / fabric")
     m.add_argument("--stalled-pulls", action="store_true",
                    help="a cross-process pull waits for a pause in the prefill compute "
-                        "(measured on CPU: benchmarks/pull_stall.py)")
+                        "(measured on CPU: benchmarks/pull_stall.py); only where the "
+                        "config's transfer.pull_hold_s is 0, since the hold prevents it")
     m.add_argument("--overhead-ms", type=float, default=2.0,
                    help="roofline costs: fixed time per program call")
     m.add_argument("--iteration-ms", type=float, default=0.0,

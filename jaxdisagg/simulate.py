@@ -214,6 +214,12 @@ class Transfer:
     # whole prefill of the next one and lands in the pause after that one's last
     # chunk (the host samples its first token), or when the instance idles.
     stalled_by_prefill: bool = False
+    # The engine's answer to that stall (`transfer.pull_hold_s`): after a request's last
+    # chunk the prefill instance waits for its pull, up to this long, before computing
+    # more, so the pull is not stalled (the hold is taken to be long enough: measured
+    # pulls of 26-108 ms against the default 0.25 s). With a hold, `stalled_by_prefill`
+    # does not apply.
+    pull_hold_s: float = 0.0
 
     def seconds(self, tokens: int) -> float:
         return self.base_s + tokens * self.bytes_per_token / self.bandwidth
@@ -401,7 +407,11 @@ class _PrefillInst(_Inst):
             r.marks["prefill_end"] = end
             r.transferred = True
             tr = self.sim.s.transfer
-            if tr.blocking and tr.stalled_by_prefill:
+            held = 0.0
+            if tr.blocking and tr.pull_hold_s > 0:
+                r.transfer_ready = end + tr.latency_s
+                held = min(tr.pull_hold_s, tr.latency_s + tr.seconds(r.prompt))
+            elif tr.blocking and tr.stalled_by_prefill:
                 self._serve(end)  # the pulls already waiting, in the pause after this chunk
                 r.transfer_ready = math.inf  # set by a later `_serve`
                 self.unserved.append(r)
@@ -410,7 +420,7 @@ class _PrefillInst(_Inst):
                                                          else tr.seconds(r.prompt))
             dec.in_flight += 1
             self.sim.at(end, lambda: dec.receive(r))
-            return end + self.sim.s.prefill_request_s
+            return end + held + self.sim.s.prefill_request_s
         return end
 
 

@@ -164,6 +164,27 @@ def test_a_stalled_pull_waits_for_a_pause_in_its_prefill_instance():
     assert recs[2].ttft > 3 * c + latency  # started once the first two were pulled
 
 
+def test_a_pull_hold_pauses_the_prefill_for_each_pull_and_ends_the_stall():
+    """The engine's hold (`transfer.pull_hold_s`): after each last chunk the prefill
+    instance waits for that request's pull (latency + pull), so each KV lands right
+    after its own prefill and the next request starts that much later; a hold shorter
+    than the pull bounds the wait."""
+    c, latency, per_token = 0.100, 0.005, 0.001
+    tr = sim.Transfer(1, 1 / per_token, blocking=True, latency_s=latency,
+                      stalled_by_prefill=True, pull_hold_s=0.25)
+    system = disagg(costs((c, 0.0, 0.0)), costs(decode=(0.001, 0.0, 0.0, 0.0)), transfer=tr)
+    plan = [(0.0, 16, 4)] * 3
+    pull = latency + 16 * per_token
+    recs = sim.simulate(system, plan)
+    ends = [r.stages["queue"] + r.stages["prefill"] for r in recs]
+    assert ends == pytest.approx([c, 2 * c + pull, 3 * c + 2 * pull])
+    # first token: its own prefill end, then the pull the decode thread makes
+    assert [r.ttft for r in recs] == pytest.approx([e + pull for e in ends], rel=0.02)
+    short = dataclasses.replace(system, transfer=dataclasses.replace(tr, pull_hold_s=0.002))
+    ends = [r.stages["queue"] + r.stages["prefill"] for r in sim.simulate(short, plan)]
+    assert ends == pytest.approx([c, 2 * c + 0.002, 3 * c + 0.004])
+
+
 def test_contention_slows_a_pool_only_while_the_other_phase_works():
     """The decode step costs `contended` times more exactly while a prefill runs: a
     request decoding alone sees plain steps; one decoding while another's 0.100 s
