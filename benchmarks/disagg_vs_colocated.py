@@ -427,7 +427,8 @@ def _cpu_share(calib: dict[str, str], pool: str) -> dict | None:
 
 
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
-              disagg_path: str, colocated_path: str, probes: dict) -> tuple[dict, dict]:
+              disagg_path: str, colocated_path: str, probes: dict,
+              pull_hold_s: float = 0.0) -> tuple[dict, dict]:
     """The same seeds and rates through the simulator: step costs (and the pinned
     pools' contention) from the calibration files, the transfer's bytes from the
     fabric table's loopback row, and the overheads the probes measured (see `probe`):
@@ -453,10 +454,11 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             # both); handoff: the offer's way to the decode process (delays only it)
             per_token = m.kv_bytes_per_token / rl.FABRICS["loopback"] + pull
             # The prefill process serves a pull only once it computes nothing
-            # (`benchmarks/pull_stall.py`): its pinned core runs XLA or the transfer.
+            # (`benchmarks/pull_stall.py`): its pinned core runs XLA or the transfer;
+            # runs since `transfer.pull_hold_s` hold the prefill for each pull instead.
             transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
                                     base_s=base, blocking=True, latency_s=handoff,
-                                    stalled_by_prefill=True)
+                                    stalled_by_prefill=True, pull_hold_s=pull_hold_s)
             return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended,
                                           req, preq)
 
@@ -601,6 +603,7 @@ def experiment(model: str, kind: str, repeats: int, tune: bool) -> dict:
     raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
     raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
                                "probes": probes, "repeats": repeats, "calibration": calib,
+                               "pull_hold_s": load_config(str(ROOT / disagg)).transfer.pull_hold_s,
                                "date": time.strftime("%Y-%m-%d %H:%M")}))
     return analyse(model, kind)
 
@@ -625,8 +628,10 @@ def analyse(model: str, kind: str) -> dict:
     seeds = list(range(repeats))
     colocated = colocated_config(disagg, *best)
     stats = {name: bootstrap(r) for name, r in runs.items()}
+    # Runs saved before the engine held its prefill for pulls have no hold recorded.
+    hold = raw.get("pull_hold_s", 0.0)
     predicted, overheads = simulated(model, spec, seeds, spec["rates"], calib, disagg,
-                                     colocated, probes)
+                                     colocated, probes, hold)
     return {"model": model, "workload": kind, "spec": spec, "repeats": repeats,
             "colocated": {"chunk_size": best[0], "max_slots": best[1], "tuning": tuning},
             "disaggregated_config": disagg, "runs": runs, "goodput": stats,

@@ -2,7 +2,7 @@
 computes the next requests? (`jaxdisagg launch`, cross-process pulls.)
 
     python benchmarks/pull_stall.py [--config configs/cpu-smollm2-2proc.yaml]
-        [--prompt 500] [--requests 3] [--gap 0.3] [--rounds 2]
+        [--prompt 500] [--requests 3] [--gap 0.3] [--rounds 2] [--tag NAME]
 
 Sends `--requests` prompts of `--prompt` tokens, `--gap` s apart, so each one queues
 behind the one before, and prints every request's marks from the server's own
@@ -12,8 +12,9 @@ the prefill compute to pause shows as an insert right after the *next* request's
 prefill end, however early the offer arrived. Each round uses fresh prompts (the
 prefix cache would otherwise serve them). Marks are the router's, each shifted by its
 request's sending time on the client (so within a few ms of one clock). The simulator
-models what this measures (`Transfer.stalled_by_prefill`). Writes
-results/pull_stall_<date>.json.
+models what this measures (`Transfer.stalled_by_prefill`, and `Transfer.pull_hold_s`
+for the engine's answer). Writes results/pull_stall_<date>[_<tag>].json, so a run
+before a change and one after it are kept side by side.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=3)
     p.add_argument("--gap", type=float, default=0.3)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--tag", default="", help="appended to the result file's name")
     args = p.parse_args()
     proc, address = dv.start("launch", "--config", str(dv.ROOT / args.config), "--port", "0")
     rounds = []
@@ -83,7 +85,8 @@ def main() -> None:
         target.client.close()
     finally:
         dv.stop(proc)
-    out = dv.RESULTS / f"pull_stall_{time.strftime('%Y-%m-%d')}.json"
+    tag = f"_{args.tag}" if args.tag else ""
+    out = dv.RESULTS / f"pull_stall_{time.strftime('%Y-%m-%d')}{tag}.json"
     out.write_text(json.dumps({"args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M"),
                                "rounds": rounds}, indent=1))
     print(f"wrote {out}")
