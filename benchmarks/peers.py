@@ -21,6 +21,8 @@ tokens. Then, alternating the systems in every round (the order rotates):
   both our engines (one CPU device each for prefill and decode, or one colocated
   instance); llama.cpp answers them one after another, the way one
   llama-cpp-python context serves, and batched, as llama-server's parallel slots do.
+  With `--launch`, also the disaggregated deployment as `jaxdisagg launch` runs it
+  (two processes, each pinned to one core; the in-process engine's pools share both).
 
 Prints medians and [ranges] over rounds of times and of the ratios ours / peer
 (below 1: ours is faster), and writes JSON. This machine is noisy: read ratios
@@ -40,12 +42,14 @@ import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import yaml  # noqa: E402
 from common import median_seconds, spread, write_result  # noqa: E402
 
 from jaxdisagg.mesh.config import DeploymentConfig, ModelSpec, PoolConfig, TransferConfig  # noqa: E402,E501
@@ -122,6 +126,59 @@ def serving_configs() -> dict[str, DeploymentConfig]:
         "colocated": DeploymentConfig(mode="colocated", model=model,
                                       colocated=dataclasses.replace(pool, devices=[0])),
     }
+
+
+class Launched:
+    """The disaggregated deployment as `jaxdisagg launch` runs it: prefill and decode in
+    two processes, each pinned to its own core, the KV pulled across them. The
+    in-process engine's pools share the process's two cores; this is the placement
+    disaggregation assumes (each phase on hardware of its own). Same pool sizes."""
+
+    def __init__(self):
+        import disagg_vs_colocated as dv  # starts and stops servers the same way
+
+        from jaxdisagg.serve.client import Client
+
+        cfg = serving_configs()["disaggregated"]
+        keys = ("tp", "block_size", "num_blocks", "chunk_size", "max_pages_per_request",
+                "max_slots")
+        pools = {role: {"devices": [0], **{k: getattr(getattr(cfg, role), k) for k in keys}}
+                 for role in ("prefill", "decode")}
+        self.path = Path(tempfile.mkdtemp()) / "peers-launch.yaml"
+        self.path.write_text(yaml.safe_dump({
+            "mode": "disaggregated", "model": {"name": "smollm2", "dtype": "float32"},
+            **pools, "transfer": {"kind": "cross_process"}}))
+        self.dv = dv
+        self.proc, address = dv.start("launch", "--config", str(self.path), "--port", "0")
+        self.client = Client(address)
+
+    def generate(self, prompts, max_tokens):
+        out = [None] * len(prompts)
+
+        def one(i):
+            out[i] = self.client.generate(prompts[i], max_tokens=max_tokens, ignore_eos=True)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if any(o is None for o in out):
+            raise RuntimeError("a request to the launched deployment failed")
+        return out
+
+    def close(self):
+        self.client.close()
+        self.dv.stop(self.proc)
+
+
+def serve_launched(launched, prompts):
+    t = time.perf_counter()
+    out = launched.generate(prompts, SERVE_NEW)
+    wall = time.perf_counter() - t
+    if cached := sum(o["timings"].cached_tokens for o in out):
+        raise RuntimeError(f"{cached} prompt tokens came from the prefix cache")
+    return wall, [list(o["token_ids"]) for o in out]
 
 
 def serve_ours(engine, prompts):
@@ -325,6 +382,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-serving", action="store_true", help="skip the serving workload")
+    p.add_argument("--launch", action="store_true",
+                   help="serve the workload through `jaxdisagg launch` too (two processes, "
+                        "a core each)")
     p.add_argument("--out", default="benchmarks/results/peers.json")
     args = p.parse_args(argv)
 
@@ -358,7 +418,7 @@ def main(argv=None) -> int:
     # Every round serves prompts no system has seen: our engines keep a prefix cache
     # across calls (llama.cpp's context is cleared per run), and the same prompts again
     # would let round 2 on skip most of our prefill. The warm-up prompt is its own too.
-    engines, round_prompts, prompts = {}, [], []
+    engines, round_prompts, prompts, launched = {}, [], [], None
     if not args.no_serving:
         engines = {name: Engine.from_config(cfg) for name, cfg in serving_configs().items()}
         rng = np.random.default_rng(1)
@@ -366,6 +426,9 @@ def main(argv=None) -> int:
                                  for _ in range(SERVE_REQUESTS)] for _ in range(args.rounds + 1))
         for e in engines.values():
             e.generate([warm[0]], SamplingParams(max_tokens=2))  # first calls, excluded
+        if args.launch:
+            launched = Launched()
+            launched.generate([warm[1]], 2)
 
     def lcpp_job(k, v):
         return lambda: {f"lcpp_{k}_prefill": v.prefill_s(args.repeats),
@@ -383,6 +446,8 @@ def main(argv=None) -> int:
         *(lcpp_job(k, v) for k, v in lcpp.items()),
         *(serve_job(name, eng) for name, eng in engines.items()),
     ]
+    if launched is not None:
+        jobs.append(lambda: {"launched_serve": serve_launched(launched, prompts)})
     jobs.append(lambda: {"lcppb_decode_b8": batched.decode_s(8, 2 * args.repeats)})
     if engines:
         jobs.append(lambda: {"lcpp_fp32_serve": lcpp["fp32"].serve(prompts)})
@@ -422,10 +487,13 @@ def main(argv=None) -> int:
               "tokens (generated tok/s; ratio = ours / llama.cpp's throughput, > 1: ours "
               "faster; llama.cpp fp32 one sequence at a time, and batched)")
         base = {"llama.cpp fp32": "lcpp_fp32", "llama.cpp batched": "lcppb"}
-        for name, key in (*base.items(), *((n, n) for n in engines)):
+        ours_keys = [(n, n) for n in engines]
+        if launched is not None:
+            ours_keys.append(("disaggregated, launch", "launched"))
+        for name, key in (*base.items(), *ours_keys):
             runs = [rd[f"{key}_serve"] for rd in rounds]
             serving[name] = {"tokens_per_s": spread([total / w for w, _ in runs])}
-            line = f"  {name:<18}{fmt(serving[name]['tokens_per_s']):>24}"
+            line = f"  {name:<22}{fmt(serving[name]['tokens_per_s']):>24}"
             for peer, pkey in base.items():
                 if pkey == key:  # llama.cpp batched against one at a time, not itself
                     break
@@ -439,6 +507,8 @@ def main(argv=None) -> int:
             print(line)
         for e in engines.values():
             e.close()
+        if launched is not None:
+            launched.close()
     batched.close()
     write_result(args.out, {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(), "cores": THREADS,
