@@ -144,12 +144,12 @@ class Launched:
                 "max_slots")
         pools = {role: {"devices": [0], **{k: getattr(getattr(cfg, role), k) for k in keys}}
                  for role in ("prefill", "decode")}
-        self.path = Path(tempfile.mkdtemp()) / "peers-launch.yaml"
-        self.path.write_text(yaml.safe_dump({
+        path = Path(tempfile.mkdtemp()) / "peers-launch.yaml"
+        path.write_text(yaml.safe_dump({
             "mode": "disaggregated", "model": {"name": "smollm2", "dtype": "float32"},
             **pools, "transfer": {"kind": "cross_process"}}))
         self.dv = dv
-        self.proc, address = dv.start("launch", "--config", str(self.path), "--port", "0")
+        self.proc, address = dv.start("launch", "--config", str(path), "--port", "0")
         self.client = Client(address)
 
     def generate(self, prompts, max_tokens):
