@@ -603,10 +603,13 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
                 log(f"{model}/{kind} repeat {seed}: {name}")
                 runs[name].append(sweep(address, spec, seed, spec["rates"]))
                 log(f"  goodput rate {goodput_of(runs[name][-1])}")
-        finally:
-            if restart or seed == repeats - 1:
-                stop(launch)
-                stop(serve)
+        except BaseException:
+            stop(launch)
+            stop(serve)
+            raise
+        if restart or seed == repeats - 1:
+            stop(launch)
+            stop(serve)
     raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
     raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
                                "probes": probes, "repeats": repeats, "calibration": calib,
