@@ -590,8 +590,9 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
     for seed in range(repeats):
         # Fresh servers for every repeat unless asked otherwise: one start of the same
         # launch config served tiny short prompts at TPOT p50 1.6-2.4 ms and another at
-        # 5.2-5.4 ms (same rate and seed, 2026-12-03), so repeats on one start would
-        # leave out the largest source of variance.
+        # 5.2-5.4 ms (same rate and seed, an EPYC host, 2026-12-03), so repeats on one
+        # start would leave out the largest source of variance. On a Xeon host four
+        # starts agreed within 10% (2026-12-04): the restarts cost ~40 s a repeat.
         if seed == 0 or restart:
             launch, d_addr = start("launch", "--config", str(ROOT / disagg), "--port", "0")
             serve, c_addr = start("serve", "--config", colocated, "--port", "0")
