@@ -13,7 +13,8 @@ One experiment = one model x one workload kind:
    again while the other one runs its heaviest program (`simulate --busy`), for the
    slowdown their sharing of the memory system costs.
 2. Tune the colocated baseline: every candidate chunk size x slot count runs one
-   sweep over the coarse rate grid; the one with the most attained requests is kept.
+   sweep over the coarse rate grid; the one with the most attained requests is kept
+   (among equals, the one with the lowest 90th percentile of SLO use).
 3. Start both deployments and keep them up. Each repeat draws a fresh seed and runs
    every rate of the fine grid on both, the order alternating from repeat to repeat.
 4. Goodput rate (where SLO attainment falls through 90%) per deployment, as the
@@ -369,6 +370,27 @@ def reprobe_prefill_cpu(model: str, kind: str) -> None:
     path.write_text(json.dumps(raw))
 
 
+def slo_use_p90(run: dict, slo: bench.SLO) -> float:
+    """The 90th percentile of the requests' SLO use over a whole sweep: below 1.0 the
+    sweep attained 90%, and lower means further from the knee."""
+    return float(np.percentile([slo.use(q["ttft"], q["tpot"], q["status"] == "ok")
+                                for v in run.values() for q in v["requests"]], 90,
+                                method="higher"))  # no interpolating between infs
+
+
+def tuned_best(candidates, attained: dict, use_p90: dict):
+    """The candidate with the most attained requests; among equals, the one with the
+    most headroom. Without the tie-break a sweep that every candidate passes would
+    keep the first one, whatever the others could have sustained."""
+    return min(candidates, key=lambda c: (-attained[f"{c[0]}x{c[1]}"],
+                                          use_p90.get(f"{c[0]}x{c[1]}", 0.0)))
+
+
+def use_note(colocated: dict, key: str) -> str:
+    use = colocated.get("tuning_slo_use_p90", {}).get(key)
+    return "" if use is None else f" (p90 SLO use {use:.2f})"
+
+
 def goodput_of(run: dict) -> float | None:
     return bench.goodput_rate([(float(r), v["summary"]["slo_attainment"])
                                for r, v in run.items()])
@@ -562,13 +584,14 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
     exp = EXPERIMENTS[model]
     spec, disagg = exp[kind], exp["config"]
     best = exp["candidates"][1] if model == "tiny" else exp["candidates"][0]  # untuned
-    tuning = {}
+    tuning, headroom = {}, {}
     saved = RESULTS / f"goodput_{model}_{kind}.runs.json"
     if not tune and saved.exists():  # the last tuning sweep's choice, and its record
         last = json.loads(saved.read_text())
         if last.get("tuning"):
             best, tuning = tuple(last["best"]), {**last["tuning"],
                                                  "reused from": last["date"]}
+            headroom = last.get("tuning_slo_use_p90", {})
             log(f"reusing the tuning sweep of {last['date']}: chunk {best[0]} slots {best[1]}")
     if tune:
         for chunk, slots in exp["candidates"]:
@@ -579,10 +602,11 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
                 run = sweep(address, spec, 1000, spec["coarse"])
             finally:
                 stop(proc)
-            tuning[f"{chunk}x{slots}"] = sum(
-                q["met"] for v in run.values() for q in v["requests"])
-            log(f"  attained {tuning[f'{chunk}x{slots}']} requests")
-        best = max(exp["candidates"], key=lambda c: tuning[f"{c[0]}x{c[1]}"])
+            key = f"{chunk}x{slots}"
+            tuning[key] = sum(q["met"] for v in run.values() for q in v["requests"])
+            headroom[key] = slo_use_p90(run, bench.SLO(*spec["slo"]))
+            log(f"  attained {tuning[key]} requests, p90 SLO use {headroom[key]:.2f}")
+        best = tuned_best(exp["candidates"], tuning, headroom)
     colocated = colocated_config(disagg, *best)
     calib = calibrate(model, kind, disagg, colocated)
     runs = {"disaggregated": [], "colocated": []}
@@ -617,6 +641,7 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
             stop(serve)
     raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
     raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
+                               "tuning_slo_use_p90": headroom,
                                "probes": probes, "repeats": repeats, "calibration": calib,
                                "servers_restarted_per_repeat": restart,
                                "pull_hold_s": load_config(str(ROOT / disagg)).transfer.pull_hold_s,
@@ -649,7 +674,8 @@ def analyse(model: str, kind: str) -> dict:
     predicted, overheads = simulated(model, spec, seeds, spec["rates"], calib, disagg,
                                      colocated, probes, hold)
     return {"model": model, "workload": kind, "spec": spec, "repeats": repeats,
-            "colocated": {"chunk_size": best[0], "max_slots": best[1], "tuning": tuning},
+            "colocated": {"chunk_size": best[0], "max_slots": best[1], "tuning": tuning,
+                          "tuning_slo_use_p90": raw.get("tuning_slo_use_p90", {})},
             "disaggregated_config": disagg, "runs": runs, "goodput": stats,
             "verdict": verdict(stats["disaggregated"], stats["colocated"]),
             "simulated": predicted,
@@ -806,7 +832,8 @@ def render(results: list[dict]) -> str:
                 f"- Colocated: one `jaxdisagg serve` process free to use both cores, chunk "
                 f"{co['chunk_size']}, {co['max_slots']} slots, the decode pool's blocks; "
                 "chosen by the tuning sweep: "
-                + (", ".join(f"{k}: {v} requests attained" if k != "reused from" else
+                + (", ".join(f"{k}: {v} requests attained" + use_note(co, k)
+                             if k != "reused from" else
                              f"(the sweep of {v}, reused)" for k, v in co["tuning"].items())
                    or "not tuned this run") + ".",
                 f"- Per-run goodput rates: disaggregated "

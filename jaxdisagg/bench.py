@@ -291,6 +291,19 @@ class SLO:
             return False
         return self.tpot_ms is None or r.tpot is None or r.tpot * 1e3 <= self.tpot_ms
 
+    def use(self, ttft: float | None, tpot: float | None, ok: bool = True) -> float:
+        """How much of its tighter budget a request used (1.0 = exactly at the SLO;
+        inf when it failed): the headroom that tells apart two systems that both
+        attain every request."""
+        if not ok:
+            return float("inf")
+        parts = [0.0]
+        if self.ttft_ms is not None:
+            parts.append(float("inf") if ttft is None else ttft * 1e3 / self.ttft_ms)
+        if self.tpot_ms is not None and tpot is not None:
+            parts.append(tpot * 1e3 / self.tpot_ms)
+        return max(parts)
+
 
 def _pct(values, q):
     values = sorted(v for v in values if v is not None)

@@ -75,6 +75,13 @@ def test_slo_summary_and_goodput():
     assert goodput_rate([(1, 1.0), (2, 0.95), (4, 0.85)]) == pytest.approx(3.0)
     assert goodput_rate([(1, 0.5)]) is None
     assert goodput_rate([(1, 1.0), (2, 1.0)]) == 2
+    # SLO use: the tighter of the two budgets, and the ordering met() implies.
+    assert [slo.use(r.ttft, r.tpot, r.status == "ok") for r in recs] == \
+        pytest.approx([0.5, 2.0, 1.5, float("inf")])
+    assert [slo.met(r) for r in recs] == [slo.use(r.ttft, r.tpot, r.status == "ok") <= 1
+                                          for r in recs]
+    assert SLO(ttft_ms=100).use(0.02, None) == pytest.approx(0.2)
+    assert SLO().use(None, None) == 0.0
 
 
 def run(*args, timeout=600):
