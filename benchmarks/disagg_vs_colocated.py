@@ -645,7 +645,7 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
             stop(serve)
     raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
     raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
-                               "tuning_slo_use_p90": headroom,
+                               "tuning_slo_use_p90": headroom, "spec": spec,
                                "probes": probes, "repeats": repeats, "calibration": calib,
                                "servers_restarted_per_repeat": restart,
                                "pull_hold_s": load_config(str(ROOT / disagg)).transfer.pull_hold_s,
@@ -667,11 +667,14 @@ def analyse(model: str, kind: str) -> dict:
     """Statistics, verdict and the simulator's prediction from the saved raw runs."""
     exp = EXPERIMENTS[model]
     spec, disagg = exp[kind], exp["config"]
-    # The workload the runs were made with: the grids move between runs.
-    saved = RESULTS / f"goodput_{model}_{kind}.json"
-    if saved.exists():
-        spec = json.loads(saved.read_text()).get("spec", spec)
     raw = json.loads((RESULTS / f"goodput_{model}_{kind}.runs.json").read_text())
+    # The workload the runs were made with (the grids move between runs): saved with the
+    # runs since 2026-12-04, else in the report's results file from their analysis.
+    saved = RESULTS / f"goodput_{model}_{kind}.json"
+    if "spec" in raw:
+        spec = raw["spec"]
+    elif saved.exists():
+        spec = json.loads(saved.read_text()).get("spec", spec)
     runs, tuning, best, probes = raw["runs"], raw["tuning"], raw["best"], raw["probes"]
     repeats, calib = raw["repeats"], raw["calibration"]
     seeds = list(range(repeats))
