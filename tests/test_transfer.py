@@ -1,5 +1,6 @@
 """KV moves between disjoint sub-meshes bit for bit, asynchronously, without compiling."""
 
+import contextlib
 from pathlib import Path
 
 import jax
@@ -10,7 +11,14 @@ from kv_util import decode_greedy, make_pool, original_heads
 
 from jaxdisagg.mesh import Deployment, finish_transfer, prefill_request
 from jaxdisagg.mesh.config import RouterConfig
-from jaxdisagg.mesh.transfer import InProcessTransfer, all_buckets, page_runs
+from jaxdisagg.mesh.transfer import (
+    InFlightKV,
+    InProcessTransfer,
+    KVSink,
+    KVSource,
+    all_buckets,
+    page_runs,
+)
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
 from jaxdisagg.serve.engine import DisaggregatedEngine
 
@@ -73,7 +81,9 @@ def test_colocated_pool_prefills_and_decodes(deployments):
                          6) == want
 
 
-def test_no_compilation_after_warmup():
+@contextlib.contextmanager
+def compilations():
+    """Collects the programs compiled inside the block."""
     compiles = []
 
     def listen(event, duration, **kwargs):
@@ -83,9 +93,16 @@ def test_no_compilation_after_warmup():
                      "/jax/core/compile/jaxpr_to_mlir_module_duration"):
             compiles.append((event, kwargs.get("fun_name", "?")))
 
-    dep = Deployment.build(str(CONFIGS / "cpu-hetero.yaml"))  # fresh: nothing served yet
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
+        yield compiles
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+
+
+def test_no_compilation_after_warmup():
+    dep = Deployment.build(str(CONFIGS / "cpu-hetero.yaml"))  # fresh: nothing served yet
+    with compilations() as compiles:
         xfer = dep.transfers[(0, 0)]
         prefill, decode = dep.pools["prefill"][0], dep.pools["decode"][0]
         requests = ((PROMPT, [1, 2, 3]), (PROMPT[:5], [4]), (PROMPT * 3, list(range(5, 14))))
@@ -100,8 +117,30 @@ def test_no_compilation_after_warmup():
                             [SamplingParams(max_tokens=4, logprobs=True),
                              SamplingParams(max_tokens=3, temperature=0.7, top_k=5, seed=1),
                              SamplingParams(max_tokens=5, top_p=0.9, temperature=1.0)])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
+def test_each_side_warmed_alone_compiles_nothing_later(tiny_model):
+    """The cross-process pools warm their halves separately (no Deployment holds both):
+    after KVSource.warmup and KVSink.warmup, moving any number of pages compiles
+    nothing, and the sink's warm-up wrote nothing into the pool."""
+    src, dst = make_pool(tiny_model, [0, 1], 2), make_pool(tiny_model, [2, 3], 2)
+    source, sink = KVSource(src), KVSink(dst)
+    before = [np.asarray(p).copy() for p in dst.kv.k]
+    source.warmup()
+    sink.warmup()
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(before, dst.kv.k, strict=True))
+    with compilations() as compiles:
+        for n in (1, 3, 5, src.max_pages):
+            blocks = list(range(n))
+            for layers in (range(0, 2), range(src.config.num_layers)):
+                parts = []
+                for offset, count in page_runs(n, src.max_pages):
+                    staged, nbytes = source.stage(layers, blocks[offset:offset + count])
+                    parts.append(InFlightKV(layers, sink.assemble(source.pieces(staged)),
+                                            count, nbytes, offset=offset))
+                sink.insert(parts, blocks)
+        jax.block_until_ready(dst.kv)
     assert compiles == []
 
 

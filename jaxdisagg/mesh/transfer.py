@@ -128,6 +128,13 @@ class KVSource:
                     * np.dtype(layout.dtype).itemsize)
         return staged, 2 * len(layers) * n * per_page
 
+    def warmup(self) -> None:
+        """Compiles the gather for every layer group size and page bucket (it only reads
+        the pool), so that no request pays a compile."""
+        for layers in moved_layer_groups(self.inst):
+            for bucket in all_buckets(self.inst.max_pages):
+                jax.block_until_ready(self.stage(layers, list(range(bucket)))[0])
+
     def pieces(self, staged: jax.Array) -> list[Piece]:
         """One piece per shard, labelled with original heads (first copies only)."""
         r = self.inst.kv_replication
@@ -206,6 +213,19 @@ class KVSink:
                 out_shardings=(kv_sh, kv_sh), donate_argnums=(0, 1))
         return self._scatter[key]
 
+    def warmup(self) -> None:
+        """Compiles the scatter for every layer group size and page bucket by landing
+        zero-page parts: every index is out of range, so nothing is written. (Pieces
+        from a sender of the same tp need no program to assemble; another tp's
+        concatenations compile on first use.)"""
+        layout, heads = self.inst.layout, self.inst.config.num_kv_heads
+        for layers in moved_layer_groups(self.inst):
+            for bucket in all_buckets(self.inst.max_pages):
+                shape = (2, len(layers), bucket, layout.block_size, heads, layout.head_dim)
+                pages = jax.device_put(jnp.zeros(shape, layout.dtype), self._sharding)
+                self.insert([InFlightKV(layers, pages, 0, 0)], [])
+        jax.block_until_ready(self.inst.kv)
+
     def insert(self, parts: list[InFlightKV], dst_blocks) -> None:
         """Scatters arrived pages into the pool at `dst_blocks` (pool donated).
 
@@ -260,6 +280,15 @@ def all_buckets(max_pages: int) -> list[int]:
     return sorted({page_bucket(n, max_pages) for n in range(1, max_pages + 1)})
 
 
+def moved_layer_groups(inst: PoolInstance) -> list[range]:
+    """One layer range of each size a transfer moves (programs are per size): the
+    instance's streaming groups, and the whole model (what a request moves when
+    streaming is off)."""
+    sizes = {len(g): g for g in inst.groups}
+    sizes.setdefault(inst.config.num_layers, range(inst.config.num_layers))
+    return list(sizes.values())
+
+
 class InProcessTransfer:
     """KV from one prefill instance to one decode instance in the same process.
 
@@ -289,11 +318,7 @@ class InProcessTransfer:
 
     def warmup(self) -> None:
         """Compiles the gather, copy and scatter programs for every bucket and layer group."""
-        # One group of each size (programs are per size); the whole model is what a
-        # request moves when streaming is off.
-        sizes = {len(g): g for g in self.src.groups}
-        sizes.setdefault(self.src.config.num_layers, range(self.src.config.num_layers))
-        for layers in sizes.values():
+        for layers in moved_layer_groups(self.src):
             for bucket in all_buckets(self.src.max_pages):
                 blocks = list(range(bucket))
                 self.insert(self.extract(layers, blocks), blocks)
