@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU check, sized for one lent GPU and 10 minutes: greedy tokens against the CPU
-# reference, in one process and in a two-process deployment sharing the GPU
+# The GPU check, for one lent GPU; `e2e` (about 450 s on an H200 on 2026-12-04) and
+# `kernels` each fit one 10-minute call, `all` needs longer. Greedy tokens against the
+# CPU reference, in one process and in a two-process deployment sharing the GPU
 # (benchmarks/gpu_e2e.py), then the Pallas kernels (benchmarks/gpu_check.py: correctness
 # on every real head layout, a launch-shape sweep that updates
 # jaxdisagg/pallas/tuned_blocks.json, speed beside JAX's own kernels and cuDNN), then
@@ -36,7 +37,7 @@ part() {  # part SECONDS COMMAND...: runs it, reports a timeout or failure, goes
 # a run cut short by the lease keeps them. Then the kernels, then the timings.
 if [[ $what == e2e || $what == all ]]; then
   part 120 "$py" benchmarks/gpu_e2e.py tokens --out-dir "$out" "${smoke[@]}"
-  part 200 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
+  part 300 "$py" benchmarks/gpu_e2e.py disagg --out-dir "$out" "${smoke[@]}"
 fi
 if [[ $what == kernels || $what == all ]]; then
   part 270 "$py" benchmarks/gpu_check.py --resume --out "$out/gpu_check.json" "${smoke[@]}"

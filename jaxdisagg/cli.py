@@ -535,8 +535,11 @@ def cmd_simulate(args) -> int:
                       f"; decode s = {costs.decode[0]:.3g} + {costs.decode[1]:.3g} * rows "
                       f"+ {costs.decode[2]:.3g} * width + {costs.decode[3]:.3g} * rows * "
                       "width" if points["decode"] else ""))
-        sim.save_calibration(args.calibrate, measured, {"config": args.config,
-                                                         "cores": args.cores})
+        import jax
+
+        sim.save_calibration(args.calibrate, measured, {
+            "config": args.config, "cores": args.cores,
+            "device": jax.devices()[0].device_kind, "date": time.strftime("%Y-%m-%d %H:%M")})
         print(f"wrote {args.calibrate}")
         return 0
     if args.calibration:

@@ -473,10 +473,15 @@ def test_plan_study_takes_the_gpu_overhead_and_checks_its_step_model(tmp_path):
     assert (study.hardware_of("NVIDIA H200"), study.hardware_of("NVIDIA H100 80GB HBM3"),
             study.hardware_of("cpu")) == ("h200", "h100-sxm", None)
 
-    # A calibration's decode intercept becomes the per-call overhead.
-    fitted = sim.FittedCosts((1e-3, 0.0, 0.0), (3e-3, 0.0, 0.0, 0.0), (1024,))
-    sim.save_calibration(tmp_path / "calibration_gpu_x.json", {"colocated": (fitted, {})},
-                         {"config": "c.yaml"})
+    # What a calibration's one-row decode step took beyond the roofline becomes the
+    # per-call overhead (not the fit's intercept, here 0; larger batches are not read).
+    one_b = sim.RooflineCosts(rl.Model.from_config(get_preset("llama3.2-1b"), 2),
+                              rl.HARDWARE["h200"])
+    points = {"prefill": [], "decode": [[1, 8192, one_b.decode_s(1, 8192, 8192) + 3e-3],
+                                        [64, 8192, 1.0]]}
+    fitted = sim.FittedCosts((1e-3, 0.0, 0.0), (0.0, 1e-4, 0.0, 0.0), (1024,))
+    sim.save_calibration(tmp_path / "calibration_gpu_x.json", {"colocated": (fitted, points)},
+                         {"config": "configs/gpu-1-colocated.yaml", "device": "NVIDIA H200"})
     assert study.overhead(tmp_path)[0] == pytest.approx(3e-3)
 
     # Steps measured exactly as the step model predicts them at 3 ms per call show no
