@@ -4,15 +4,19 @@ colocated deployments for Llama-3-8B and Llama-2-7B on H100 and H200, on a
 
     python benchmarks/plan_study.py [--quick]
 
-Step times are the roofline's (sustained rates in `jaxdisagg.roofline.HARDWARE`)
-plus a fixed per-call overhead: 2 ms, or the decode intercept measured on a GPU by
-`bash benchmarks/gpu_check.sh` (benchmarks/results/gpu/calibration_gpu_*.json) when a
-task had one. That step model is then checked against the whole-model step times the
-same GPU check measured on other models (results/gpu/gpu_e2e_steps.json), which the
-calibration did not see. Writes benchmarks/plan_study.md and results/plan_study.json.
+Step times are the roofline's: the sustained matmul rates of
+`jaxdisagg.roofline.HARDWARE`, memory bandwidth at the fraction of the datasheet's that
+the GPU check measured as its device copy rate (results/gpu/gpu_e2e_steps.json), plus
+a fixed per-call overhead: what a one-row decode step of the calibrated model took on
+that GPU beyond its roofline time (results/gpu/calibration_gpu_*.json, from `bash
+benchmarks/gpu_check.sh`), or an assumed 2 ms when no task has had a GPU. That step
+model is then checked against the whole-model step times the same GPU check measured
+on other models, which the calibration did not see. Writes benchmarks/plan_study.md
+and results/plan_study.json.
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -43,10 +47,29 @@ GPU_RESULTS = ROOT / "benchmarks" / "results" / "gpu"
 ASSUMED_OVERHEAD_S = 2e-3
 
 
-def overhead(results: Path = GPU_RESULTS) -> tuple[float, str]:
+def hardware(results: Path = GPU_RESULTS) -> tuple[dict[str, rl.Hardware], str]:
+    """The study's GPUs: `roofline.HARDWARE`'s sustained matmul rates, and memory
+    bandwidth at the fraction of the datasheet's that a GPU check measured (its device
+    copy rate, `gpu_e2e.py steps`' ceilings), the same fraction assumed for the other
+    Hopper part; the datasheet's where nothing was measured."""
+    table = {k: rl.HARDWARE[k] for k in HARDWARE}
+    path = results / "gpu_e2e_steps.json"
+    meas = json.loads(path.read_text()) if path.exists() else {}
+    name = hardware_of(meas.get("device", ""))
+    if name is None or "copy_gbs" not in meas.get("ceilings", {}):
+        return table, "the datasheets' memory bandwidth (no GPU measurement recorded)"
+    copy = meas["ceilings"]["copy_gbs"] * 1e9
+    frac = copy / rl.HARDWARE[name].bandwidth
+    table = {k: dataclasses.replace(h, bandwidth=h.bandwidth * frac) for k, h in table.items()}
+    return table, (f"memory bandwidth at {frac:.0%} of the datasheets': the device copy rate "
+                   f"measured on the {meas['device']} ({copy / 1e12:.2f} TB/s, read plus "
+                   f"written; {meas.get('date')}), the same fraction assumed for the other GPU")
+
+
+def overhead(results: Path = GPU_RESULTS, table=None) -> tuple[float, str]:
     """The per-call overhead: what a one-row decode step of our served program took on
     a GPU beyond the roofline's time for its bytes (a GPU calibration's measured
-    point, less the roofline at that GPU's sustained rates), else an assumed 2 ms.
+    point, less the roofline at the study's rates for that GPU), else an assumed 2 ms.
 
     The measured point is read, not the fitted intercept: a fit of four terms to a
     few overlapped steps can put the fixed cost into its per-row term (the 2026-12-04
@@ -54,13 +77,14 @@ def overhead(results: Path = GPU_RESULTS) -> tuple[float, str]:
     files = sorted(results.glob("calibration_gpu_*.json"))
     if not files:
         return ASSUMED_OVERHEAD_S, "2 ms per program call (assumed: no GPU calibration recorded)"
+    table = table or hardware(results)[0]
     data = json.loads(files[-1].read_text())
     # Older calibrations name no device; the step times of the same lease do.
     device = data.get("device") or json.loads(
         (results / "gpu_e2e_steps.json").read_text())["device"]
     name = load_config(ROOT / data["config"]).model.name
     costs = sim.RooflineCosts(rl.Model.from_config(get_preset(name), 2),
-                              rl.HARDWARE[hardware_of(device)])
+                              table[hardware_of(device)])
     points = next(iter(data["pools"].values()))["points"]["decode"]
     over = float(np.median([s - costs.decode_s(1, w, w) for a, w, s in points if a == 1]))
     return over, (f"{over * 1e3:.2f} ms per call: a one-row decode step of {name} measured "
@@ -80,8 +104,8 @@ def _steps(costs: sim.RooflineCosts, chunk: int, ctx: int) -> dict[str, tuple[st
                for b in (1, 32)}}
 
 
-def validation(over: float, results: Path = GPU_RESULTS) -> list[dict]:
-    """The study's step model (sustained rates + `over` per call, and the assumed 2 ms
+def validation(over: float, results: Path = GPU_RESULTS, table=None) -> list[dict]:
+    """The study's step model (its rates + `over` per call, and the assumed 2 ms
     beside it) against whole-model step times measured on a GPU: a 512-token prefill
     and decode at B=1 and B=32 over 1024 tokens of context, bf16, tp 1."""
     path = results / "gpu_e2e_steps.json"
@@ -91,13 +115,14 @@ def validation(over: float, results: Path = GPU_RESULTS) -> list[dict]:
     hw_name = hardware_of(meas["device"])
     if hw_name is None:
         return []
+    table = table or hardware(results)[0]
     rows = []
     for name, m in meas["models"].items():
         cfg = get_preset(name)
         model = rl.Model.from_config(cfg, 2)
         ctx = m.get("context", 1024) + 1
         pred = {f"{o * 1e3:.2f}": _steps(sim.RooflineCosts(
-            model, rl.HARDWARE[hw_name], 1, o, hidden=cfg.hidden_size, layers=cfg.num_layers),
+            model, table[hw_name], 1, o, hidden=cfg.hidden_size, layers=cfg.num_layers),
             m["prefill_tokens"], ctx) for o in (over, ASSUMED_OVERHEAD_S)}
         for key, (step, _) in next(iter(pred.values())).items():
             rows.append({"model": name, "hardware": hw_name, "device": meas["device"],
@@ -111,14 +136,15 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one model, one GPU")
     args = p.parse_args()
     models, hws = (MODELS[:1], HARDWARE[:1]) if args.quick else (MODELS, HARDWARE)
-    over, over_text = overhead()
-    checked = validation(over)
+    table, hw_text = hardware()
+    over, over_text = overhead(table=table)
+    checked = validation(over, table=table)
     search = planner.Search(overhead_s=over)
     rows = []
     for model in models:
         cfg = get_preset(model)
         for hw_name in hws:
-            hw = rl.HARDWARE[hw_name]
+            hw = table[hw_name]
             for kind, (prompt, out, ttft, tpots) in WORKLOADS.items():
                 wl = bench.Workload(prompt=prompt, output=bench.Lengths("fixed", out), seed=0)
                 for tpot in tpots:
@@ -131,10 +157,11 @@ def main() -> int:
                           f"{found.gain and round(found.gain, 2)} ({found.seconds:.0f} s)",
                           file=sys.stderr, flush=True)
     out = ROOT / "benchmarks" / "results" / "plan_study.json"
-    out.write_text(json.dumps({"rows": rows, "overhead": over_text, "gpus": GPUS,
+    out.write_text(json.dumps({"rows": rows, "overhead": over_text, "hardware": hw_text,
+                               "gpus": GPUS,
                                "validation": checked,
                                "date": time.strftime("%Y-%m-%d %H:%M")}, indent=1))
-    (ROOT / "benchmarks" / "plan_study.md").write_text(render(rows, over_text, checked))
+    (ROOT / "benchmarks" / "plan_study.md").write_text(render(rows, over_text, checked, hw_text))
     print(f"wrote {out} and benchmarks/plan_study.md")
     return 0
 
@@ -147,14 +174,15 @@ def _unit(c: dict, d: dict) -> tuple[str, str]:
     return col, dis
 
 
-def render(rows: list[dict], over_text: str, checked: list[dict]) -> str:
+def render(rows: list[dict], over_text: str, checked: list[dict], hw_text: str = "") -> str:
     lines = [
         "# What the simulator predicts on GPUs: xPyD plans for Llama-3-8B and Llama-2-7B",
         "",
         f"Generated by `python benchmarks/plan_study.py` on {time.strftime('%Y-%m-%d')}. "
         f"Each row is one `jaxdisagg simulate --plan` search for a {GPUS}-GPU cluster "
         "(P:D ratios, tp per pool and chunk sizes; see `jaxdisagg/planner.py`). Step "
-        "times: the roofline at sustained rates (bf16) plus " + over_text + ". Goodput "
+        "times: the roofline at sustained matmul rates (bf16) and " + (hw_text or
+        "the datasheets' memory bandwidth") + ", plus " + over_text + ". Goodput "
         "is the highest request rate with 90% of requests within both SLOs, per GPU.",
         "",
         "These are predictions, not measurements: no GPU ran these deployments. The step "
@@ -186,8 +214,8 @@ def render_validation(checked: list[dict]) -> list[str]:
              f"{checked[0]['date']})", "",
              "Whole-model steps of our served programs (random weights, bf16, Pallas "
              "kernels, calls back to back) measured by `benchmarks/gpu_e2e.py steps`, one "
-             "run each, against the study's step model: the roofline at the "
-             f"`{checked[0]['hardware']}` sustained rates plus a per-call overhead. The "
+             "run each, against the study's step model: the roofline at the study's "
+             f"`{checked[0]['hardware']}` rates plus a per-call overhead. The "
              "overhead comes from a calibration on another model (Llama-3.2-1B), so these "
              "models are out of sample.", "",
              "| model | step | measured ms | " + " | ".join(

@@ -34,9 +34,11 @@ class Hardware:
         return self.flops / self.bandwidth
 
 
-# Sustained rates, as the article uses them (H100: ~500 of the 989 dense TFLOP/s a
-# datasheet lists). The CPU entry is this project's 2-core development machine as
-# measured by benchmarks/model_cpu.py (fp32); `--calibrate` measures the machine at hand.
+# Sustained matmul rates, as the article uses them (H100: ~500 of the 989 dense TFLOP/s
+# a datasheet lists), and the datasheets' memory bandwidth: an H200's device copy
+# reached 68% of it (benchmarks/plan_study.py takes the measured fraction). The CPU
+# entry is this project's 2-core development machine as measured by
+# benchmarks/model_cpu.py (fp32); `--calibrate` measures the machine at hand.
 HARDWARE = {
     "h100-sxm": Hardware("H100 SXM", 500e12, 3.35e12, 80e9),
     "h200": Hardware("H200", 500e12, 4.8e12, 141e9),

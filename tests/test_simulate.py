@@ -484,6 +484,22 @@ def test_plan_study_takes_the_gpu_overhead_and_checks_its_step_model(tmp_path):
                          {"config": "configs/gpu-1-colocated.yaml", "device": "NVIDIA H200"})
     assert study.overhead(tmp_path)[0] == pytest.approx(3e-3)
 
+    # The GPU check's copy rate sets memory bandwidth, at the same fraction of the
+    # datasheet for the GPU that was not measured.
+    (tmp_path / "gpu_e2e_steps.json").write_text(json.dumps(
+        {"device": "NVIDIA H200", "ceilings": {"copy_gbs": 2400}, "models": {}}))
+    table, text = study.hardware(tmp_path)
+    assert table["h200"].bandwidth == pytest.approx(2.4e12)
+    assert table["h100-sxm"].bandwidth == pytest.approx(rl.HARDWARE["h100-sxm"].bandwidth / 2)
+    assert table["h200"].flops == rl.HARDWARE["h200"].flops and "50%" in text
+    # ... and the overhead is taken over the roofline at those rates.
+    slower = sim.RooflineCosts(rl.Model.from_config(get_preset("llama3.2-1b"), 2), table["h200"])
+    over = study.overhead(tmp_path)[0]
+    assert over == pytest.approx(3e-3 + one_b.decode_s(1, 8192, 8192)
+                                 - slower.decode_s(1, 8192, 8192))
+    assert over < 3e-3
+    (tmp_path / "gpu_e2e_steps.json").unlink()
+
     # Steps measured exactly as the step model predicts them at 3 ms per call show no
     # error at 3 ms, and the assumed 2 ms under-predicts each by 1 ms.
     cfg = get_preset("llama3-8b")
