@@ -60,8 +60,10 @@ def drained(client, timeout=30) -> dict:
 
 
 @contextlib.contextmanager
-def roles(config=CONFIG, prefills=1, control_port=None, env=None):
-    """Prefill process(es) and a decode process fronting them, killed at the end.
+def roles(config=CONFIG, prefills=1, control_port=None, env=None,
+          stderr=lambda: subprocess.DEVNULL):
+    """Prefill process(es) and a decode process fronting them, killed at the end;
+    `stderr()` gives each process's standard error.
 
     Yields a namespace: procs (every process started, tests append restarts),
     prefills, addresses, decode, decode_address, client.
@@ -72,11 +74,11 @@ def roles(config=CONFIG, prefills=1, control_port=None, env=None):
         for _ in range(prefills):
             port = ["--control-port", control_port] if control_port else []
             proc, line = start("serve", "--config", config, "--role", "prefill", *port,
-                               env=env)
+                               env=env, stderr=stderr())
             procs.append(proc)
             addresses.append(line.split()[1])
         decode, dline = start("serve", "--config", config, "--role", "decode", "--prefill",
-                              ",".join(addresses), "--port", 0, env=env)
+                              ",".join(addresses), "--port", 0, env=env, stderr=stderr())
         procs.append(decode)
         with Client(dline.split()[1]) as client:
             yield SimpleNamespace(procs=procs, prefills=procs[:-1], addresses=addresses,
@@ -125,6 +127,26 @@ def test_greedy_tokens_across_processes_equal_the_reference(client, reference):
     assert info.mode == "disaggregated" and json.loads(info.config_json)["transfer"][
         "kind"] == "cross_process"
     drained(client)
+
+
+def test_nothing_compiles_after_ready_across_processes(tmp_path):
+    """Each pool process compiles every program it serves with before it says READY,
+    its half of the KV transfer included: requests of 1 to 10 pages (new page buckets
+    each) then compile nothing, with JAX logging every program it lowers."""
+    logs = []
+
+    def log_file():
+        logs.append(tmp_path / f"stderr{len(logs)}")
+        return logs[-1].open("w")
+
+    with roles(env={"JAX_LOG_COMPILES": "1"}, stderr=log_file) as r:
+        at_ready = [len(p.read_text()) for p in logs]
+        assert all("Compiling" in p.read_text() for p in logs)  # the log works
+        for n in (3, 20, 40, 70, 150):
+            r.client.generate([256] + list(range(n)), max_tokens=4)
+        after = [p.read_text()[at:] for p, at in zip(logs, at_ready, strict=True)]
+    compiled = [line for text in after for line in text.splitlines() if "Compiling" in line]
+    assert compiled == [], compiled
 
 
 def _alive(pid: int) -> bool:
