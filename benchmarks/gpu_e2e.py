@@ -221,6 +221,8 @@ transfer: {{kind: cross_process, layer_streaming: false}}
            "ttft_s": [r["timings"].ttft_s for r in results],
            "e2e_s": [r["timings"].e2e_s for r in results],
            "transfer_bytes": [r["timings"].transfer_bytes for r in results],
+           # the server's own stages (seconds from arrival): where a slow TTFT went
+           "timeline": [dict(r["timings"].timeline) for r in results],
            **_compare(got, want)}
     _say(f"two-process disaggregated vs CPU reference (fp32): {out['requests_equal']}/"
          f"{out['requests']} requests token-equal, first divergence {out['first_divergence']}; "

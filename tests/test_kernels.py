@@ -298,3 +298,5 @@ def test_gpu_check_script_runs_in_smoke_mode(tmp_path):
     for part in ("tokens", "disagg"):
         got = json.loads((tmp_path / f"gpu_e2e_{part}.json").read_text())
         assert got["requests_equal"] == got["requests"] == 3, got
+    # the server's own stages of each request, where a slow first token would show
+    assert all({"prefill_end", "pull_start", "first_token"} <= set(t) for t in got["timeline"])
