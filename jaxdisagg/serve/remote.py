@@ -48,6 +48,7 @@ from jaxdisagg.serve.validation import RequestLimits, check_request_id, check_to
 from jaxdisagg.serve.workers import DecodeWorker, PrefillWorker
 
 log = logging.getLogger(__name__)
+_PARAMS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "stop")
 
 
 def _warm(label: str, compile_all) -> None:
@@ -56,7 +57,6 @@ def _warm(label: str, compile_all) -> None:
     t0 = time.perf_counter()
     compile_all()
     log.info("warm-up: %s compiled in %.1f s", label, time.perf_counter() - t0)
-_PARAMS = ("temperature", "top_k", "top_p", "seed", "max_tokens", "logprobs", "stop")
 
 
 def params_to_json(p: SamplingParams) -> dict:
