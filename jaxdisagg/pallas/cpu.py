@@ -10,7 +10,7 @@ once per machine, not per process. Without a compiler `available()` says why and
 explicitly then fails with that reason.
 
 The attention reads fp32 pages (the CPU pools' dtype) with head dims in multiples of
-16 (every real model's); `attention.decode_attention` sends anything else to the
+16 up to 256 (every real model's); `attention.decode_attention` sends anything else to the
 reference. q of any dtype is computed in fp32 and cast back. The product takes fp32,
 1-16 rows and N in multiples of 16 (`small_product_fits`).
 """
@@ -121,8 +121,9 @@ def unavailable_reason() -> str | None:
 
 
 def supports(page_dtype, head_dim: int) -> bool:
-    """What the kernel reads: fp32 pages and head dims in whole 16-lane vectors."""
-    return jnp.dtype(page_dtype) == jnp.float32 and head_dim % 16 == 0
+    """What the kernel reads: fp32 pages and head dims in whole 16-lane vectors, up to 256
+    (every real model's)."""
+    return jnp.dtype(page_dtype) == jnp.float32 and head_dim % 16 == 0 and head_dim <= 256
 
 
 def paged_decode_attention_cpu(q, k_pages, v_pages, block_tables, seq_lens, *, scale):
@@ -134,7 +135,7 @@ def paged_decode_attention_cpu(q, k_pages, v_pages, block_tables, seq_lens, *, s
         raise RuntimeError(f"the cpu attention backend is unavailable: {why}")
     if not supports(k_pages.dtype, q.shape[-1]) or v_pages.dtype != k_pages.dtype:
         raise TypeError(f"the cpu decode kernel reads float32 pages and head dims that are "
-                        f"multiples of 16, not {k_pages.dtype} and {q.shape[-1]}")
+                        f"multiples of 16 up to 256, not {k_pages.dtype} and {q.shape[-1]}")
     call = jax.ffi.ffi_call(_ATTENTION, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     out = call(q.astype(jnp.float32), k_pages, v_pages, block_tables.astype(jnp.int32),
                seq_lens.astype(jnp.int32), scale=np.float32(scale))

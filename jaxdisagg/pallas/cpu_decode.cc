@@ -60,121 +60,168 @@ inline float fast_exp(float x) {
   return exp_reduced(x, n) * scale;
 }
 
-typedef int32_t I8 __attribute__((vector_size(32)));
+typedef int32_t I16 __attribute__((vector_size(64)));
 
-inline V8 load8(const float* p) { return load_vec<V8>(p); }
-inline void store8(float* p, V8 v) { store_vec(p, v); }
+inline V16 splat16(float x) { return V16{} + x; }
 
-inline V8 splat8(float x) { return V8{x, x, x, x, x, x, x, x}; }
-
-// fast_exp on 8 lanes, for a row's scores at once, rounding by adding and subtracting
-// 1.5 * 2^23 (to nearest, as nearbyint).
-inline V8 fast_exp8(V8 x) {
-  const V8 lo = splat8(-87.0f), magic = splat8(12582912.0f);
+// fast_exp on 16 lanes, for a block of scores at once, rounding by adding and
+// subtracting 1.5 * 2^23 (to nearest, as nearbyint).
+inline V16 fast_exp16(V16 x) {
+  const V16 lo = splat16(-87.0f), magic = splat16(12582912.0f);
   x = x < lo ? lo : x;
-  const V8 n = (x * 1.44269504088896341f + magic) - magic;
-  const I8 bits = (__builtin_convertvector(n, I8) + 127) << 23;
-  V8 scale;
+  const V16 n = (x * 1.44269504088896341f + magic) - magic;
+  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
+  V16 scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return exp_reduced(x, n) * scale;
 }
 
-inline float hmax8(V8 v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
-  return m;
+inline float hmax16(V16 v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const V8 c = a > b ? a : b;
+  const V4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3);
+  const V4 e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+  const V4 f = d > e ? d : e;
+  return std::max(std::max(f[0], f[1]), std::max(f[2], f[3]));
 }
 
-inline float hsum8(V8 v) {
-  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+// Sixteen vectors -> one vector of their sums, lane j = the sum of v[j] when the
+// inputs come in bit-reversed order (v[bitrev(j)] holds key j's products): four levels of
+// pairwise shuffles and adds, 15 of each for 16 sums, where a horizontal sum per key
+// costs 4 shuffles and adds on a dependent chain (it was half the kernel's time).
+inline V16 sum_each_of_16(const V16* v) {
+  V16 w[8], u[4], z[2];
+  for (int j = 0; j < 8; ++j)
+    w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17,
+                                   18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24,
+                                   25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    u[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9,
+                                   10, 11, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13,
+                                   14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    z[j] = __builtin_shufflevector(u[2 * j], u[2 * j + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9,
+                                   24, 25, 12, 13, 28, 29) +
+           __builtin_shufflevector(u[2 * j], u[2 * j + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11,
+                                   26, 27, 14, 15, 30, 31);
+  return __builtin_shufflevector(z[0], z[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28,
+                                 14, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29,
+                                 15, 31);
 }
+
+constexpr int kBitrev16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
 // As jnp indexing reads a table entry: negative counts from the end, then clamped.
 inline int64_t page_index(int64_t entry, int64_t num_blocks) {
   return std::clamp<int64_t>(entry < 0 ? entry + num_blocks : entry, 0, num_blocks - 1);
 }
 
+// The most query heads of one KV head worked on together, and the longest head_dim,
+// in vectors (a block's state is held in arrays of these sizes).
+constexpr int64_t kMaxRows = 8, kMaxHV = 16;
+
 // A slot's pages [p0, p1), all heads: unnormalised partials for each of the N query
 // rows, acc [N, H] (sum of weight * value), row_max [N] and row_sum [N] (sum of weights).
-// Each page is walked once, key by key, every KV head in turn, so the reads are
-// sequential and each byte of K and V is read once.
-// kH, kG > 0 fix head_dim and the query heads per KV head at compile time (0: read
-// from d): the loops over them unroll, 0.86-0.91x the time on an AVX2 host.
-template <int64_t kH, int64_t kG>
+//
+// Pages are walked in order, each once; within a page, each KV head in turn with the
+// block of query heads that share it (its G rows, at most kMaxRows at a time), 16 keys
+// at a time. A block's running state (acc, max, sum) is loaded at the page's start and
+// stored at its end, so in between it lives in registers: a key's K and V rows are
+// loaded once and used for every query head of the block, and nothing else touches
+// memory but the scores of the 16 keys. kHV, kG > 0 fix head_dim / 16 and G at compile
+// time (0: read from d) so the loops unroll and the state fits the register file.
+template <int64_t kHV, int64_t kG>
 void attend_pages(const float* q, const float* kp, const float* vp, const int32_t* table,
                   int64_t len, int64_t p0, int64_t p1, const Dims& d, float scale, float* acc,
                   float* row_max, float* row_sum) {
-  const int64_t g_rows = kG ? kG : d.g, h = kH ? kH : d.h, bs = d.bs, kv_heads = d.k;
-  const int64_t n = kv_heads * g_rows;
-  const int64_t padded = (bs + 7) / 8 * 8;  // a row's scores: whole 8-lane vectors
-  std::fill(acc, acc + n * h, 0.0f);
-  std::fill(row_sum, row_sum + n, 0.0f);
-  std::fill(row_max, row_max + n, kNegInf);
-  std::vector<float> score(n * padded), qs(n * h);
-  for (int64_t i = 0; i < n * h; ++i) qs[i] = q[i] * scale;
+  constexpr int64_t kRows = kG ? std::min(kG, kMaxRows) : kMaxRows;
+  constexpr int64_t kVecs = kHV ? kHV : kMaxHV;
+  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, kv_heads = d.k, g_all = d.g;
+  const int64_t stride = kv_heads * h;  // between a page's keys
+  std::fill(acc, acc + d.n * h, 0.0f);
+  std::fill(row_sum, row_sum + d.n, 0.0f);
+  std::fill(row_max, row_max + d.n, kNegInf);
   for (int64_t p = p0; p < p1; ++p) {
     const int64_t page = page_index(table[p], d.nb);
-    const int64_t keys = std::min<int64_t>(bs, len - p * bs);
-    const float* k0 = kp + page * bs * kv_heads * h;  // key t, head k at (t * K + k) * H
-    const float* v0 = vp + page * bs * kv_heads * h;
-    // The next page's K and V are fetched into L2 line by line while this one is
-    // worked on: the hardware prefetchers do not follow a table to the next page. On
-    // SmolLM2's shapes, 30 layers' pages out of cache, this took a layer's attention
-    // from 560-590 to 350 us at 8 slots and from 83 to 73 us at one. Fetched into L1
-    // instead, it took 0.92x the time without: L1 keeps fewer misses in flight.
+    const int64_t keys = std::min<int64_t>(d.bs, len - p * d.bs);
+    const float* k0 = kp + page * d.bs * stride;  // key t, head k at t * stride + k * H
+    const float* v0 = vp + page * d.bs * stride;
+    // The next page's K and V are fetched into L2 row by row while this one is worked
+    // on: the hardware prefetchers do not follow a table to the next page. On SmolLM2's
+    // shapes, 30 layers' pages out of cache, this took a layer's attention from 560-590
+    // to 350 us at 8 slots and from 83 to 73 us at one. Into L1 it ran 0.92x slower:
+    // L1 keeps fewer misses in flight.
     const int64_t next = page_index(table[std::min(p + 1, p1 - 1)], d.nb);
-    const float* k1 = kp + next * bs * kv_heads * h;
-    const float* v1 = vp + next * bs * kv_heads * h;
-    for (int64_t t = 0; t < keys; ++t)
-      for (int64_t k = 0; k < kv_heads; ++k) {
-        const float* kr = k0 + (t * kv_heads + k) * h;
-        for (int64_t i = 0; i < h; i += 16)
-          __builtin_prefetch(k1 + (t * kv_heads + k) * h + i, 0, 2);
-        for (int64_t g = 0; g < g_rows; ++g) {
-          const float* qr = qs.data() + (k * g_rows + g) * h;
-          V16 sum = load16(qr) * load16(kr);
-          for (int64_t i = 16; i < h; i += 16) sum += load16(qr + i) * load16(kr + i);
-          score[(k * g_rows + g) * padded + t] = hsum(sum);
-        }
-      }
-    for (int64_t r = 0; r < n; ++r) {
-      // Online softmax on 8 lanes (written key by key, it took a third of the kernel's
-      // time on an AVX2 host): rescale what came before to the new running maximum.
-      // Keys past the page's last are masked to weight 0.
-      float* s = score.data() + r * padded;
-      std::fill(s + keys, s + padded, kNegInf);
-      V8 mv = load8(s);
-      for (int64_t t = 8; t < padded; t += 8) {
-        const V8 x = load8(s + t);
-        mv = x > mv ? x : mv;
-      }
-      const float m = p == p0 ? hmax8(mv) : std::max(hmax8(mv), row_max[r]);
-      const float keep = p == p0 ? 0.0f : fast_exp(row_max[r] - m);
-      V8 sum = splat8(0.0f);
-      for (int64_t t = 0; t < padded; t += 8) {
-        const V8 x = load8(s + t);
-        const V8 e = x == kNegInf ? splat8(0.0f) : fast_exp8(x - m);
-        store8(s + t, e);
-        sum += e;
-      }
-      row_max[r] = m;
-      row_sum[r] = row_sum[r] * keep + hsum8(sum);
-      if (keep != 1.0f) {
-        float* a = acc + r * h;
-        for (int64_t i = 0; i < h; ++i) a[i] *= keep;
-      }
-    }
-    for (int64_t t = 0; t < keys; ++t)
-      for (int64_t k = 0; k < kv_heads; ++k) {
-        const float* vr = v0 + (t * kv_heads + k) * h;
-        for (int64_t i = 0; i < h; i += 16)
-          __builtin_prefetch(v1 + (t * kv_heads + k) * h + i, 0, 2);
-        for (int64_t i = 0; i < h; i += 16) {
-          const V16 v = load16(vr + i);
-          for (int64_t g = 0; g < g_rows; ++g) {
-            float* a = acc + (k * g_rows + g) * h + i;
-            store16(a, load16(a) + score[(k * g_rows + g) * padded + t] * v);
+    const float* k1 = kp + next * d.bs * stride;
+    const float* v1 = vp + next * d.bs * stride;
+    for (int64_t k = 0; k < kv_heads; ++k)
+      for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
+        const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
+        const int64_t r0 = k * g_all + g0;  // the block's first query row
+        V16 a[kRows][kVecs], qs[kRows][kVecs];
+        float m[kRows], l[kRows];
+        for (int64_t g = 0; g < rows; ++g) {
+          m[g] = row_max[r0 + g];
+          l[g] = row_sum[r0 + g];
+          for (int64_t i = 0; i < hv; ++i) {
+            a[g][i] = load16(acc + (r0 + g) * h + 16 * i);
+            qs[g][i] = load16(q + (r0 + g) * h + 16 * i) * scale;
           }
+        }
+        for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+          const int64_t n16 = std::min<int64_t>(16, keys - t0);
+          V16 part[kRows][16];
+          float w[kRows][16];
+          for (int64_t j = 0; j < 16; ++j) {
+            if (j >= n16) {
+              for (int64_t g = 0; g < rows; ++g) part[g][kBitrev16[j]] = V16{};
+              continue;
+            }
+            const float* kr = k0 + (t0 + j) * stride + k * h;
+            if (g0 == 0)
+              for (int64_t i = 0; i < hv; ++i)
+                __builtin_prefetch(k1 + (t0 + j) * stride + k * h + 16 * i, 0, 2);
+            V16 kv[kVecs];
+            for (int64_t i = 0; i < hv; ++i) kv[i] = load16(kr + 16 * i);
+            for (int64_t g = 0; g < rows; ++g) {
+              V16 s = qs[g][0] * kv[0];
+              for (int64_t i = 1; i < hv; ++i) s += qs[g][i] * kv[i];
+              part[g][kBitrev16[j]] = s;
+            }
+          }
+          // Online softmax over the 16 keys: rescale what came before to the new
+          // running maximum; keys past the page's last weigh 0.
+          for (int64_t g = 0; g < rows; ++g) {
+            V16 s = sum_each_of_16(part[g]);
+            for (int64_t j = n16; j < 16; ++j) s[j] = kNegInf;
+            const float mx = std::max(m[g], hmax16(s));
+            const float keep = m[g] == kNegInf ? 0.0f : fast_exp(m[g] - mx);
+            V16 e = fast_exp16(s - mx);
+            e = s == kNegInf ? V16{} : e;
+            store16(w[g], e);
+            m[g] = mx;
+            l[g] = l[g] * keep + hsum(e);
+            for (int64_t i = 0; i < hv; ++i) a[g][i] *= keep;
+          }
+          for (int64_t j = 0; j < n16; ++j) {
+            const float* vr = v0 + (t0 + j) * stride + k * h;
+            if (g0 == 0)
+              for (int64_t i = 0; i < hv; ++i)
+                __builtin_prefetch(v1 + (t0 + j) * stride + k * h + 16 * i, 0, 2);
+            V16 vv[kVecs];
+            for (int64_t i = 0; i < hv; ++i) vv[i] = load16(vr + 16 * i);
+            for (int64_t g = 0; g < rows; ++g)
+              for (int64_t i = 0; i < hv; ++i) a[g][i] += w[g][j] * vv[i];
+          }
+        }
+        for (int64_t g = 0; g < rows; ++g) {
+          row_max[r0 + g] = m[g];
+          row_sum[r0 + g] = l[g];
+          for (int64_t i = 0; i < hv; ++i) store16(acc + (r0 + g) * h + 16 * i, a[g][i]);
         }
       }
   }
@@ -184,22 +231,22 @@ using AttendFn = decltype(&attend_pages<0, 0>);
 
 // The compiled-in shapes (the head_dims and groupings of the Llama family), else the
 // general walk.
-template <int64_t kH>
+template <int64_t kHV>
 AttendFn attend_for_groups(int64_t g) {
   switch (g) {
-    case 1: return attend_pages<kH, 1>;
-    case 2: return attend_pages<kH, 2>;
-    case 3: return attend_pages<kH, 3>;
-    case 4: return attend_pages<kH, 4>;
-    case 8: return attend_pages<kH, 8>;
-    default: return attend_pages<kH, 0>;
+    case 1: return attend_pages<kHV, 1>;
+    case 2: return attend_pages<kHV, 2>;
+    case 3: return attend_pages<kHV, 3>;
+    case 4: return attend_pages<kHV, 4>;
+    case 8: return attend_pages<kHV, 8>;
+    default: return attend_pages<kHV, 0>;
   }
 }
 
 AttendFn attend_for(const Dims& d) {
   switch (d.h) {
-    case 64: return attend_for_groups<64>(d.g);
-    case 128: return attend_for_groups<128>(d.g);
+    case 64: return attend_for_groups<4>(d.g);
+    case 128: return attend_for_groups<8>(d.g);
     default: return attend_for_groups<0>(d.g);
   }
 }
@@ -213,9 +260,9 @@ ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                                        "tables [B,P], lens [B] expected");
   Dims d{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], 0, td[1]};
   if (pd[3] != d.h || d.k <= 0 || d.n % d.k != 0 || td[0] != d.b ||
-      lens.dimensions()[0] != d.b || d.nb <= 0 || d.h % 16 != 0)
+      lens.dimensions()[0] != d.b || d.nb <= 0 || d.h % 16 != 0 || d.h > 16 * kMaxHV)
     return ffi::Error::InvalidArgument("paged decode: inconsistent shapes, or head_dim "
-                                       "not a multiple of 16");
+                                       "not a multiple of 16 up to 256");
   d.g = d.n / d.k;
   const float* qp = q.typed_data();
   const float* kp = k_pages.typed_data();
