@@ -124,6 +124,15 @@ inline int64_t page_index(int64_t entry, int64_t num_blocks) {
 // in vectors (a block's state is held in arrays of these sizes).
 constexpr int64_t kMaxRows = 8, kMaxHV = 16;
 
+// One key's row of one KV head (hv vectors at `at` in this page) into out; `ahead`:
+// also fetch the same row of the next page into L2 (the first block of a KV head does).
+inline void load_row(const float* page, const float* next, int64_t at, int64_t hv,
+                     bool ahead, V16* out) {
+  if (ahead)
+    for (int64_t i = 0; i < hv; ++i) __builtin_prefetch(next + at + 16 * i, 0, 2);
+  for (int64_t i = 0; i < hv; ++i) out[i] = load16(page + at + 16 * i);
+}
+
 // A slot's pages [p0, p1), all heads: unnormalised partials for each of the N query
 // rows, acc [N, H] (sum of weight * value), row_max [N] and row_sum [N] (sum of weights).
 //
@@ -181,12 +190,8 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
               for (int64_t g = 0; g < rows; ++g) part[g][kBitrev16[j]] = V16{};
               continue;
             }
-            const float* kr = k0 + (t0 + j) * stride + k * h;
-            if (g0 == 0)
-              for (int64_t i = 0; i < hv; ++i)
-                __builtin_prefetch(k1 + (t0 + j) * stride + k * h + 16 * i, 0, 2);
             V16 kv[kVecs];
-            for (int64_t i = 0; i < hv; ++i) kv[i] = load16(kr + 16 * i);
+            load_row(k0, k1, (t0 + j) * stride + k * h, hv, g0 == 0, kv);
             for (int64_t g = 0; g < rows; ++g) {
               V16 s = qs[g][0] * kv[0];
               for (int64_t i = 1; i < hv; ++i) s += qs[g][i] * kv[i];
@@ -208,12 +213,8 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
             for (int64_t i = 0; i < hv; ++i) a[g][i] *= keep;
           }
           for (int64_t j = 0; j < n16; ++j) {
-            const float* vr = v0 + (t0 + j) * stride + k * h;
-            if (g0 == 0)
-              for (int64_t i = 0; i < hv; ++i)
-                __builtin_prefetch(v1 + (t0 + j) * stride + k * h + 16 * i, 0, 2);
             V16 vv[kVecs];
-            for (int64_t i = 0; i < hv; ++i) vv[i] = load16(vr + 16 * i);
+            load_row(v0, v1, (t0 + j) * stride + k * h, hv, g0 == 0, vv);
             for (int64_t g = 0; g < rows; ++g)
               for (int64_t i = 0; i < hv; ++i) a[g][i] += w[g][j] * vv[i];
           }
