@@ -89,6 +89,19 @@ def test_extreme_scores_stay_finite():
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+def test_slots_longer_than_a_chunk_of_scores():
+    """The kernel scores a slot's keys a chunk at a time (8,192 scores: 16 pages of 16
+    keys for 32 query heads) and merges the chunks by their maxima: slots of up to 40
+    pages, pages whose logits differ in scale (each chunk may raise the maximum and
+    rescale what came before), ragged ends inside and at chunk boundaries."""
+    rng = np.random.default_rng(5)
+    lens = [40 * 16, 33 * 16 + 5, 32 * 16, 16 * 16 + 1, 17 * 16, 1, 0, 39 * 16 + 15]
+    q, kp, vp, tables, lens = inputs(rng, 8, 8, 4, 64, 16, 40, lens)
+    spread = jnp.asarray(1.0 + 3.0 * rng.random(kp.shape[0]), jnp.float32)
+    got, want = run_both(q * 3.0, kp * spread[:, None, None, None], vp, tables, lens)
+    np.testing.assert_allclose(got, want, atol=5e-5, rtol=0)
+
+
 def test_dispatch_uses_the_kernel_and_falls_back_where_it_cannot():
     q, kp, vp, tables, lens = inputs(np.random.default_rng(3), 2, 2, 2, 32, 8, 3, [5, 17])
 

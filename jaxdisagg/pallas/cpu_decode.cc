@@ -2,10 +2,11 @@
 //
 // XLA:CPU runs the jnp formulation (reference.py) as a dozen ops a layer, each with a
 // fixed cost of 100-300 us on a small machine, so at SmolLM2's shapes attention took
-// longer than the model's matmuls. Here one call walks each slot's pages once, in
-// order: each key of a page is scored against the G query heads of its KV head, an
-// online softmax keeps a running maximum and sum, and the values accumulate in the
-// same pass, so K and V are each read once and nothing is gathered or materialised.
+// longer than the model's matmuls. Here one call walks each slot's pages in order, in
+// chunks of a few hundred keys: each key of a chunk is scored against the G query heads
+// of its KV head, one softmax update per chunk raises a running maximum and sum (an
+// online softmax across chunks), and the values are accumulated, so K and V are each
+// read once and nothing is gathered or materialised but the chunk's scores.
 //
 // Layouts (as reference.py): q [B, N, H] with N = K*G (query head n = k*G + g);
 // pages [NB, bs, K, H]; tables [B, P]; lens [B] keys per slot (0: empty slot, zeros).
@@ -133,58 +134,47 @@ inline void load_row(const float* page, const float* next, int64_t at, int64_t h
   for (int64_t i = 0; i < hv; ++i) out[i] = load16(page + at + 16 * i);
 }
 
-// A slot's pages [p0, p1), all heads: unnormalised partials for each of the N query
-// rows, acc [N, H] (sum of weight * value), row_max [N] and row_sum [N] (sum of weights).
+// Keys whose scores one chunk of a slot's pages holds for all N query rows (32 KB of
+// scores, in L1 with the page being read): a slot's pages are walked in chunks of
+// about this many keys.
+constexpr int64_t kChunkScores = 8192;
+
+// A chunk's pages [c0, c1), all heads, pass 1: the scores of its keys for each of the
+// N query rows, scores[r * cap + key] (the chunk's keys in order, scaled).
 //
-// Pages are walked in order, each once; within a page, each KV head in turn with the
-// block of query heads that share it (its G rows, at most kMaxRows at a time), 16 keys
-// at a time. A block's running state (acc, max, sum) is loaded at the page's start and
-// stored at its end, so in between it lives in registers: a key's K and V rows are
-// loaded once and used for every query head of the block, and nothing else touches
-// memory but the scores of the 16 keys. kHV, kG > 0 fix head_dim / 16 and G at compile
-// time (0: read from d) so the loops unroll and the state fits the register file.
+// Each page once, in order; within a page, each KV head in turn with the block of
+// query heads that share it (at most kMaxRows at a time), 16 keys at a time: a key's
+// K row is loaded once for every query head of the block, and the 16 keys' products are
+// summed by one transposed reduction. kHV, kG > 0 fix head_dim / 16 and G at compile
+// time (0: read from d) so the loops unroll and a block's queries stay in registers.
 template <int64_t kHV, int64_t kG>
-void attend_pages(const float* q, const float* kp, const float* vp, const int32_t* table,
-                  int64_t len, int64_t p0, int64_t p1, const Dims& d, float scale, float* acc,
-                  float* row_max, float* row_sum) {
+void chunk_scores(const float* q, const float* kp, const int32_t* table, int64_t len,
+                  int64_t c0, int64_t c1, const Dims& d, float scale, int64_t cap,
+                  float* scores) {
   constexpr int64_t kRows = kG ? std::min(kG, kMaxRows) : kMaxRows;
   constexpr int64_t kVecs = kHV ? kHV : kMaxHV;
-  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, kv_heads = d.k, g_all = d.g;
-  const int64_t stride = kv_heads * h;  // between a page's keys
-  std::fill(acc, acc + d.n * h, 0.0f);
-  std::fill(row_sum, row_sum + d.n, 0.0f);
-  std::fill(row_max, row_max + d.n, kNegInf);
-  for (int64_t p = p0; p < p1; ++p) {
-    const int64_t page = page_index(table[p], d.nb);
+  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, g_all = d.g;
+  const int64_t stride = d.k * h;  // between a page's keys
+  int64_t at = 0;  // the page's first key in the chunk
+  for (int64_t p = c0; p < c1; ++p) {
     const int64_t keys = std::min<int64_t>(d.bs, len - p * d.bs);
-    const float* k0 = kp + page * d.bs * stride;  // key t, head k at t * stride + k * H
-    const float* v0 = vp + page * d.bs * stride;
-    // The next page's K and V are fetched into L2 row by row while this one is worked
-    // on: the hardware prefetchers do not follow a table to the next page. On SmolLM2's
-    // shapes, 30 layers' pages out of cache, this took a layer's attention from 560-590
-    // to 350 us at 8 slots and from 83 to 73 us at one. Into L1 it ran 0.92x slower:
-    // L1 keeps fewer misses in flight.
-    const int64_t next = page_index(table[std::min(p + 1, p1 - 1)], d.nb);
-    const float* k1 = kp + next * d.bs * stride;
-    const float* v1 = vp + next * d.bs * stride;
-    for (int64_t k = 0; k < kv_heads; ++k)
+    const float* k0 = kp + page_index(table[p], d.nb) * d.bs * stride;
+    // The next page's K is fetched into L2 row by row while this one is worked on: the
+    // hardware prefetchers do not follow a table to the next page (without it, a layer's
+    // attention on SmolLM2 at 8 slots out of cache took 1.5x the time). Into L1 it ran
+    // 0.92x slower: L1 keeps fewer misses in flight.
+    const float* k1 = kp + page_index(table[std::min(p + 1, c1 - 1)], d.nb) * d.bs * stride;
+    for (int64_t k = 0; k < d.k; ++k)
       for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
         const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
         const int64_t r0 = k * g_all + g0;  // the block's first query row
-        V16 a[kRows][kVecs], qs[kRows][kVecs];
-        float m[kRows], l[kRows];
-        for (int64_t g = 0; g < rows; ++g) {
-          m[g] = row_max[r0 + g];
-          l[g] = row_sum[r0 + g];
-          for (int64_t i = 0; i < hv; ++i) {
-            a[g][i] = load16(acc + (r0 + g) * h + 16 * i);
+        V16 qs[kRows][kVecs];
+        for (int64_t g = 0; g < rows; ++g)
+          for (int64_t i = 0; i < hv; ++i)
             qs[g][i] = load16(q + (r0 + g) * h + 16 * i) * scale;
-          }
-        }
         for (int64_t t0 = 0; t0 < keys; t0 += 16) {
           const int64_t n16 = std::min<int64_t>(16, keys - t0);
           V16 part[kRows][16];
-          float w[kRows][16];
           for (int64_t j = 0; j < 16; ++j) {
             if (j >= n16) {
               for (int64_t g = 0; g < rows; ++g) part[g][kBitrev16[j]] = V16{};
@@ -198,33 +188,108 @@ void attend_pages(const float* q, const float* kp, const float* vp, const int32_
               part[g][kBitrev16[j]] = s;
             }
           }
-          // Online softmax over the 16 keys: rescale what came before to the new
-          // running maximum; keys past the page's last weigh 0.
-          for (int64_t g = 0; g < rows; ++g) {
-            V16 s = sum_each_of_16(part[g]);
-            for (int64_t j = n16; j < 16; ++j) s[j] = kNegInf;
-            const float mx = std::max(m[g], hmax16(s));
-            const float keep = m[g] == kNegInf ? 0.0f : fast_exp(m[g] - mx);
-            V16 e = fast_exp16(s - mx);
-            e = s == kNegInf ? V16{} : e;
-            store16(w[g], e);
-            m[g] = mx;
-            l[g] = l[g] * keep + hsum(e);
-            for (int64_t i = 0; i < hv; ++i) a[g][i] *= keep;
-          }
-          for (int64_t j = 0; j < n16; ++j) {
-            V16 vv[kVecs];
-            load_row(v0, v1, (t0 + j) * stride + k * h, hv, g0 == 0, vv);
-            for (int64_t g = 0; g < rows; ++g)
-              for (int64_t i = 0; i < hv; ++i) a[g][i] += w[g][j] * vv[i];
-          }
-        }
-        for (int64_t g = 0; g < rows; ++g) {
-          row_max[r0 + g] = m[g];
-          row_sum[r0 + g] = l[g];
-          for (int64_t i = 0; i < hv; ++i) store16(acc + (r0 + g) * h + 16 * i, a[g][i]);
+          // All 16 lanes are stored; lanes past n16 are overwritten by the next keys'
+          // (the rows have 16 floats of room at the end).
+          for (int64_t g = 0; g < rows; ++g)
+            store16(scores + (r0 + g) * cap + at + t0, sum_each_of_16(part[g]));
         }
       }
+    at += keys;
+  }
+}
+
+// Pass 2: acc[r] += sum over the chunk's keys of weights[r * cap + key] * V[key], each
+// page once in order, a block's accumulators in registers across the page.
+template <int64_t kHV, int64_t kG>
+void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0, int64_t c1,
+                  const Dims& d, int64_t cap, const float* weights, float* acc) {
+  constexpr int64_t kRows = kG ? std::min(kG, kMaxRows) : kMaxRows;
+  constexpr int64_t kVecs = kHV ? kHV : kMaxHV;
+  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, g_all = d.g;
+  const int64_t stride = d.k * h;
+  int64_t at = 0;
+  for (int64_t p = c0; p < c1; ++p) {
+    const int64_t keys = std::min<int64_t>(d.bs, len - p * d.bs);
+    const float* v0 = vp + page_index(table[p], d.nb) * d.bs * stride;
+    const float* v1 = vp + page_index(table[std::min(p + 1, c1 - 1)], d.nb) * d.bs * stride;
+    for (int64_t k = 0; k < d.k; ++k)
+      for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
+        const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
+        const int64_t r0 = k * g_all + g0;
+        V16 a[kRows][kVecs];
+        for (int64_t g = 0; g < rows; ++g)
+          for (int64_t i = 0; i < hv; ++i) a[g][i] = load16(acc + (r0 + g) * h + 16 * i);
+        for (int64_t t = 0; t < keys; ++t) {
+          V16 vv[kVecs];
+          load_row(v0, v1, t * stride + k * h, hv, g0 == 0, vv);
+          for (int64_t g = 0; g < rows; ++g) {
+            const float w = weights[(r0 + g) * cap + at + t];
+            for (int64_t i = 0; i < hv; ++i) a[g][i] += w * vv[i];
+          }
+        }
+        for (int64_t g = 0; g < rows; ++g)
+          for (int64_t i = 0; i < hv; ++i) store16(acc + (r0 + g) * h + 16 * i, a[g][i]);
+      }
+    at += keys;
+  }
+}
+
+// Scores [0, n) of a row -> their exponentials relative to the row's running maximum,
+// which is raised to the chunk's: returns the factor for what came before.
+inline float softmax_chunk(float* s, int64_t n, float& row_max, float& row_sum) {
+  V16 mv = splat16(kNegInf);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const V16 x = load16(s + j);
+    mv = mv > x ? mv : x;
+  }
+  float mx = hmax16(mv);
+  for (int64_t t = j; t < n; ++t) mx = std::max(mx, s[t]);
+  mx = std::max(mx, row_max);
+  const float keep = row_max == kNegInf ? 0.0f : fast_exp(row_max - mx);
+  V16 sum{};
+  for (j = 0; j + 16 <= n; j += 16) {
+    const V16 e = fast_exp16(load16(s + j) - mx);
+    store16(s + j, e);
+    sum += e;
+  }
+  float total = hsum(sum);
+  for (int64_t t = j; t < n; ++t) total += (s[t] = fast_exp(s[t] - mx));
+  row_max = mx;
+  row_sum = row_sum * keep + total;
+  return keep;
+}
+
+// A slot's pages [p0, p1), all heads: unnormalised partials for each of the N query
+// rows, acc [N, H] (sum of weight * value), row_max [N] and row_sum [N] (sum of weights).
+//
+// In chunks of pages: all of a chunk's scores first (K read once), one softmax update
+// a row for the whole chunk, then the weighted values (V read once). An online softmax
+// per 16 keys (a maximum, two exponentials and a rescale of the accumulators on a
+// dependent chain every 16 keys) was 40% of the kernel's time.
+template <int64_t kHV, int64_t kG>
+void attend_pages(const float* q, const float* kp, const float* vp, const int32_t* table,
+                  int64_t len, int64_t p0, int64_t p1, const Dims& d, float scale, float* acc,
+                  float* row_max, float* row_sum) {
+  const int64_t h = d.h;
+  std::fill(acc, acc + d.n * h, 0.0f);
+  std::fill(row_sum, row_sum + d.n, 0.0f);
+  std::fill(row_max, row_max + d.n, kNegInf);
+  const int64_t per_chunk = std::max<int64_t>(1, kChunkScores / d.n / d.bs);  // pages
+  const int64_t cap = per_chunk * d.bs + 16;
+  thread_local std::vector<float> buffer;
+  buffer.resize(d.n * cap);
+  float* scores = buffer.data();
+  for (int64_t c0 = p0; c0 < p1; c0 += per_chunk) {
+    const int64_t c1 = std::min(p1, c0 + per_chunk);
+    const int64_t keys = std::min(len, c1 * d.bs) - c0 * d.bs;
+    chunk_scores<kHV, kG>(q, kp, table, len, c0, c1, d, scale, cap, scores);
+    for (int64_t r = 0; r < d.n; ++r) {
+      const float keep = softmax_chunk(scores + r * cap, keys, row_max[r], row_sum[r]);
+      if (keep != 1.0f)
+        for (int64_t i = 0; i < h; ++i) acc[r * h + i] *= keep;
+    }
+    chunk_values<kHV, kG>(vp, table, len, c0, c1, d, cap, scores, acc);
   }
 }
 
