@@ -156,8 +156,17 @@ void head_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v
         for (int m = 0; m < M; ++m) acc[m][r] += xs[m] * c;
       }
     }
-    for (int m = 0; m < M; ++m)
-      for (int r = 0; r < kR; ++r) y[m * nv + v + r] = hsum(acc[m][r]);
+    if constexpr (M * kR == 16) {  // all 16 sums by one transposed reduction
+      V16 in[16];
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < kR; ++r) in[kBitrev16[m * kR + r]] = acc[m][r];
+      const V16 s = sum_each_of_16(in);
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < kR; ++r) y[m * nv + v + r] = s[m * kR + r];
+    } else {
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < kR; ++r) y[m * nv + v + r] = hsum(acc[m][r]);
+    }
   }
   if (v < v1) head_rows<M, 1>(x, dd, e, nv, v, v1, y);
 }
