@@ -1,18 +1,22 @@
-"""The served decode step on CPU, and what the kernels' spinning helper threads buy.
+"""The served decode step on CPU, and what the kernels' spinning helper threads or the
+greedy sampling kernel buy.
 
     python benchmarks/served_step.py [--model smollm2] [--busy 1 8] [--rounds 8]
-                                     [--repeats 9] [--spin-us 200]
+                                     [--repeats 9] [--spin-us 200] [--compare spin|greedy]
                                      [--out benchmarks/results/served_step.json]
 
 One pool instance on one of two host devices (8 slots, fp32, every slot holding a
 512-token context over shuffled block tables), stepping `n` busy slots for every `n` of
 `--busy` through the program the decode worker runs (`PoolInstance.decode`: the busy
-slots only, sampled on the device, tokens copied to the host). Rounds alternate the CPU
-kernels' helper threads spinning `--spin-us` after each call and parking at once
-(`cpu.set_helper_spin_us`), in one process, so the ratio is not a comparison of two
-processes on a noisy machine. Each round's figure is the median of `--repeats` steps.
-To compare two commits, run the script in each checkout, alternating. Prints the step
-times and the spinning / parked ratio (median and range over rounds); writes JSON.
+slots only, sampled on the device, tokens copied to the host). Rounds alternate, in one
+process, so a ratio is not a comparison of two processes on a noisy machine:
+`--compare spin`: the CPU kernels' helper threads spinning `--spin-us` after each call
+against parking at once (`cpu.set_helper_spin_us`); `--compare greedy`: the step's
+argmax and log-normaliser from `pallas/cpu_sample.cc` against jnp's (a second instance
+whose program was traced with `paged.step_greedy` saying no). Each round's figure is
+the median of `--repeats` steps. To compare two commits, run the script in each
+checkout, alternating. Prints the step times and the ratio (median and range over
+rounds); writes JSON.
 """
 
 import os
@@ -23,6 +27,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import platform  # noqa: E402
 import time  # noqa: E402
@@ -33,7 +38,7 @@ from common import spread, write_result  # noqa: E402
 
 from jaxdisagg.mesh.config import PoolConfig  # noqa: E402
 from jaxdisagg.mesh.pool import PoolInstance  # noqa: E402
-from jaxdisagg.model import SamplingParams  # noqa: E402
+from jaxdisagg.model import SamplingParams, paged  # noqa: E402
 from jaxdisagg.model.sampling import row_params  # noqa: E402
 from jaxdisagg.model.weights import load_model  # noqa: E402
 from jaxdisagg.pallas import cpu  # noqa: E402
@@ -48,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--spin-us", type=int, default=200)
+    p.add_argument("--compare", choices=("spin", "greedy"), default="spin")
     p.add_argument("--out", default="benchmarks/results/served_step.json")
     args = p.parse_args(argv)
     if not cpu.available():
@@ -58,51 +64,76 @@ def main(argv=None) -> int:
     pages = CONTEXT // BS + 1
     pool = PoolConfig(devices=[0], tp=1, block_size=BS, num_blocks=SLOTS * pages + 1,
                       chunk_size=CONTEXT, max_slots=SLOTS, max_pages_per_request=pages)
-    inst = PoolInstance("step", model, [0], pool, backend="auto")
     rng = np.random.default_rng(0)
     tables = rng.permutation(SLOTS * pages).astype(np.int32).reshape(SLOTS, pages)
     prompt = rng.integers(0, vocab, CONTEXT).astype(np.int32)
-    for slot in range(SLOTS):
-        inst.prefill(prompt, 0, CONTEXT, tables[slot]).block_until_ready()
 
+    def instance(name):
+        inst = PoolInstance(name, model, [0], pool, backend="auto")
+        for slot in range(SLOTS):
+            inst.prefill(prompt, 0, CONTEXT, tables[slot]).block_until_ready()
+        return inst
+
+    @contextlib.contextmanager
+    def jnp_sampling():  # while a program is traced: jnp's argmax and log_softmax
+        kept = paged.step_greedy
+        paged.step_greedy = lambda backend, mesh, logits: None
+        try:
+            yield
+        finally:
+            paged.step_greedy = kept
+
+    inst = instance("step")
+    if args.compare == "spin":
+        modes = {"spin": (inst, lambda: cpu.set_helper_spin_us(args.spin_us)),
+                 "park": (inst, lambda: cpu.set_helper_spin_us(0))}
+    else:
+        modes = {"kernel": (inst, lambda: None), "jnp": (instance("jnp"), lambda: None)}
+    (a, b) = modes
     rows = []
     for n in args.busy:
         busy = np.arange(SLOTS) < n
         tokens = np.ones(SLOTS, np.int32)
         pos = np.where(busy, CONTEXT, 0).astype(np.int32)
         lens = np.where(busy, CONTEXT + 1, 0).astype(np.int32)
-        params = row_params([SamplingParams() if b else None for b in busy], 1, vocab)
+        params = row_params([SamplingParams() if on else None for on in busy], 1, vocab)
 
-        def step(args=(tokens, pos, tables, lens, params)):
+        def step(inst, args=(tokens, pos, tables, lens, params)):
             new, _ = inst.decode(*args)
             return np.asarray(new)
 
-        for _ in range(3):
-            step()
-        times = {"spin": [], "park": []}
+        for mode, (one, _) in modes.items():
+            with jnp_sampling() if mode == "jnp" else contextlib.nullcontext():
+                for _ in range(3):
+                    step(one)
+        same = [step(one).tolist() for one, _ in modes.values()]
+        assert same[0] == same[1], f"{a} and {b} chose different tokens: {same}"
+        times = {a: [], b: []}
         for r in range(args.rounds):
-            for mode in (("spin", "park") if r % 2 == 0 else ("park", "spin")):
-                cpu.set_helper_spin_us(args.spin_us if mode == "spin" else 0)
-                step()
+            for mode in ((a, b) if r % 2 == 0 else (b, a)):
+                one, prep = modes[mode]
+                prep()
+                step(one)
                 ts = []
                 for _ in range(args.repeats):
                     t0 = time.perf_counter()
-                    step()
+                    step(one)
                     ts.append(time.perf_counter() - t0)
                 times[mode].append(float(np.median(ts)))
         cpu.set_helper_spin_us(args.spin_us)
-        ratio = list(np.array(times["spin"]) / np.array(times["park"]))
-        row = {"busy": n, "spin_s": times["spin"], "park_s": times["park"],
+        ratio = list(np.array(times[a]) / np.array(times[b]))
+        row = {"busy": n, f"{a}_s": times[a], f"{b}_s": times[b],
                "ratio": spread([float(x) for x in ratio])}
         rows.append(row)
-        print(f"{n} busy: spinning {np.median(times['spin']) * 1e3:.1f} ms "
-              f"[{min(times['spin']) * 1e3:.1f}-{max(times['spin']) * 1e3:.1f}], parked "
-              f"{np.median(times['park']) * 1e3:.1f} ms; spinning / parked "
+        print(f"{n} busy: {a} {np.median(times[a]) * 1e3:.1f} ms "
+              f"[{min(times[a]) * 1e3:.1f}-{max(times[a]) * 1e3:.1f}], {b} "
+              f"{np.median(times[b]) * 1e3:.1f} ms [{min(times[b]) * 1e3:.1f}-"
+              f"{max(times[b]) * 1e3:.1f}]; {a} / {b} "
               f"{row['ratio']['median']:.2f} [{row['ratio']['min']:.2f}-"
               f"{row['ratio']['max']:.2f}] over {args.rounds} rounds", flush=True)
     write_result(args.out, {
         "benchmark": "served_step", "model": args.model, "context": CONTEXT,
-        "slots": SLOTS, "spin_us": args.spin_us,
+        "slots": SLOTS, "spin_us": args.spin_us, "compare": f"{a} / {b}",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
         "rounds": args.rounds, "repeats": args.repeats, "rows": rows})

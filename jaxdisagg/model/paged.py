@@ -172,16 +172,22 @@ def prefill_chunk_group(graphdef: nnx.GraphDef, state: nnx.State, kv_group: KVPa
     return (_last_logits(model, x, num_valid) if last else x), _join_kv(caches)
 
 
+def _cpu_kernels(backend: Backend, mesh: Mesh | None) -> bool:
+    """Whether the decode step uses `pallas/cpu.py`'s kernels beyond attention: on the
+    `cpu` backend and one device (they have no partitioning rule, so a sharded pool
+    keeps XLA's ops)."""
+    name = backend.backend if isinstance(backend, AttentionSpec) else backend
+    return resolve_backend(name) == "cpu" and (mesh is None or mesh.size == 1)
+
+
 def step_product(backend: Backend, mesh: Mesh | None) -> Product:
     """The decode step's products: on the `cpu` backend and one device, the small-batch
     kernels of `pallas/cpu_dense.cc` (BENCHMARKS.md): the layers' at 1-16 slots
     (SmolLM2's step at 2-8 slots in 0.63-0.80x the time, at 12-16 0.81-0.87x with the
     head kernel in both), a tied LM head's at 1-32
     (SmolLM2's head alone in 0.45-0.50x XLA's time at 2-8 rows, 0.8x at 1 and 32);
-    XLA's einsum otherwise. A sharded pool keeps XLA's (the kernels have no
-    partitioning rule)."""
-    name = backend.backend if isinstance(backend, AttentionSpec) else backend
-    if resolve_backend(name) != "cpu" or (mesh is not None and mesh.size > 1):
+    XLA's einsum otherwise, and wherever `_cpu_kernels` says no."""
+    if not _cpu_kernels(backend, mesh):
         return xla_product
 
     def product(spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -235,8 +241,17 @@ def decode_sample_step(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,
     leave the device per step, and the host dispatches one program, not three."""
     logits, kv = decode_step(graphdef, state, kv, tokens, positions, block_tables, seq_lens,
                              backend=backend, mesh=mesh)
-    new, logprobs = sample_with_logprobs(logits, rows)
+    new, logprobs = sample_with_logprobs(logits, rows, step_greedy(backend, mesh, logits))
     return new, logprobs, kv
+
+
+def step_greedy(backend: Backend, mesh: Mesh | None, logits: jax.Array):
+    """The sampler's argmax and log-normaliser: `pallas/cpu_sample.cc`'s kernel where
+    `_cpu_kernels` says yes (XLA:CPU's argmax and log_softmax took ~2 ms of SmolLM2's
+    34 ms 8-slot step; BENCHMARKS.md), None (jnp's) otherwise."""
+    if not _cpu_kernels(backend, mesh) or not cpu.argmax_log_norm_fits(logits):
+        return None
+    return cpu.argmax_log_norm_cpu
 
 
 def decode_sample_rows(graphdef: nnx.GraphDef, state: nnx.State, kv: KVPages,

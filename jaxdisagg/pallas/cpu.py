@@ -1,6 +1,7 @@
 """The CPU decode step's kernels, as XLA FFI custom calls: paged decode attention, one
-call per layer (`cpu_decode.cc`), and products of a few rows by a weight
-(`cpu_dense.cc`).
+call per layer (`cpu_decode.cc`), products of a few rows by a weight
+(`cpu_dense.cc`), and each row's argmax and log-normaliser for greedy sampling
+(`cpu_sample.cc`).
 
 The sources ship with the package and are compiled on first use with the machine's
 C++ compiler against the FFI headers jaxlib ships, into one library in a per-user
@@ -12,7 +13,8 @@ explicitly then fails with that reason.
 The attention reads fp32 pages (the CPU pools' dtype) with head dims in multiples of
 16 up to 256 (every real model's); `attention.decode_attention` sends anything else to the
 reference. q of any dtype is computed in fp32 and cast back. The product takes fp32,
-1-16 rows and N in multiples of 16 (`small_product_fits`).
+1-16 rows and N in multiples of 16 (`small_product_fits`). The greedy kernel takes fp32
+logits [B, V] of any shape.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _HERE = Path(__file__).parent
-_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_dense.cc")
+_SOURCES = (_HERE / "cpu_decode.cc", _HERE / "cpu_dense.cc", _HERE / "cpu_sample.cc")
 _HEADERS = (_HERE / "cpu_common.h",)
 # FFI target name -> the handler's symbol in the library
 _TARGETS = {"jaxdisagg_paged_decode_f32": "JaxdisaggPagedDecodeF32",
             "jaxdisagg_small_product_f32": "JaxdisaggSmallBatchProductF32",
-            "jaxdisagg_tied_head_f32": "JaxdisaggTiedHeadF32"}
-_ATTENTION, _PRODUCT, _HEAD = _TARGETS
+            "jaxdisagg_tied_head_f32": "JaxdisaggTiedHeadF32",
+            "jaxdisagg_argmax_log_norm_f32": "JaxdisaggArgmaxLogNormF32"}
+_ATTENTION, _PRODUCT, _HEAD, _GREEDY = _TARGETS
 SMALL_PRODUCT_ROWS = 16  # the most rows the product kernel takes (24 ran 1.05x XLA)
 TIED_HEAD_ROWS = 32  # and the tied head
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-Wno-attributes",
@@ -182,3 +185,24 @@ def tied_head_cpu(x, e):
                         f"[V, D], not {x.dtype}{list(x.shape)} x {e.dtype}{list(e.shape)}")
     call = jax.ffi.ffi_call(_HEAD, jax.ShapeDtypeStruct((x.shape[0], e.shape[0]), jnp.float32))
     return call(x, e)
+
+
+def argmax_log_norm_fits(logits) -> bool:
+    """What the greedy kernel takes: fp32 logits [B, V]."""
+    return logits.ndim == 2 and logits.shape[1] > 0 and logits.dtype == jnp.float32
+
+
+def argmax_log_norm_cpu(logits):
+    """fp32 logits [B, V] -> (int32 [B]: each row's first argmax, as `jnp.argmax`; fp32
+    [B]: log(sum_j exp(x_j - x_max)), NaN where the row's maximum is not finite) in two
+    vector passes per row (`cpu_sample.cc`). A token t's log-probability is then
+    (x_t - x_max) - log_norm, as `jax.nn.log_softmax` gives it."""
+    if (why := _load()) is not None:
+        raise RuntimeError(f"the cpu greedy kernel is unavailable: {why}")
+    if not argmax_log_norm_fits(logits):
+        raise TypeError(f"the cpu greedy kernel takes fp32 logits [B, V], not "
+                        f"{logits.dtype}{list(logits.shape)}")
+    b = logits.shape[0]
+    call = jax.ffi.ffi_call(_GREEDY, (jax.ShapeDtypeStruct((b,), jnp.int32),
+                                      jax.ShapeDtypeStruct((b,), jnp.float32)))
+    return call(logits)
