@@ -193,6 +193,11 @@ class PoolSpec:
     # It binds with a pulled (cross-process) transfer, where prefilled requests keep
     # their KV on the prefill side until the decode side pulls it.
     kv_tokens: int = 0
+    # The decode batching window (`decode_min_batch`, `decode_wait_s`), as the engine
+    # holds it: a step waits, at most `wait_s`, while fewer rows are busy than
+    # `min_batch` and than the requests routed to the instance.
+    min_batch: int = 1
+    wait_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -444,6 +449,7 @@ class _DecodeInst(_Inst):
         self.ends: list = []  # (step index of a row's last token, seq, request)
         self.lengths: list = []  # (-(prompt - join step), seq, request): the longest row
         self._seq = itertools.count()
+        self.held_since: float | None = None  # when the step now held was first due
 
     def room(self) -> bool:
         return len(self.handoffs) + self.in_flight < self.sim.s.handoff_queue
@@ -512,6 +518,8 @@ class _DecodeInst(_Inst):
                 r.marks["prefill_end"] = t
                 self.ready.append(r)
             t = self._admit(t)
+        if self.active and self._hold(t):
+            return t + self.sim.s.iteration_s if did else None
         if self.active:
             did = True
             while self.lengths[0][2].done:
@@ -528,6 +536,21 @@ class _DecodeInst(_Inst):
                 self.kv -= r.prompt + r.output
                 self._retire(r, t)
         return t + self.sim.s.iteration_s if did else None
+
+    def _hold(self, t: float) -> bool:
+        """The engine's batching window (`DecodeWorker._hold`): while held, the instance
+        idles (so it contends with nobody) until a row arrives or the wait is over."""
+        pool = self.pool
+        if pool.wait_s <= 0 or self.active >= min(pool.min_batch, self.sim.load[self.index]):
+            self.held_since = None
+            return False
+        if self.held_since is None:
+            self.held_since = t
+        if t - self.held_since >= pool.wait_s:
+            self.held_since = None
+            return False
+        self.sim.at(self.held_since + pool.wait_s, self.wake)
+        return True
 
     def tokens(self, r: _Req) -> np.ndarray:
         if self.pool.costs is None:
@@ -634,7 +657,7 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
         slots = 0 if name == "prefill" else p.max_slots
         kv = p.num_blocks * p.block_size if name == "prefill" else 0
         return PoolSpec(p.instances, costs[name], p.chunk_size, slots, p.tp,
-                        contended.get(name, 1.0), kv)
+                        contended.get(name, 1.0), kv, p.decode_min_batch, p.decode_wait_s)
 
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from serve_util import engine_for, prompts
+from serve_util import assert_all_back, engine_for, prompts
 
 from jaxdisagg.mesh.config import ConfigError, parse_config
 from jaxdisagg.model import ReferenceGenerator, SamplingParams
@@ -44,12 +44,6 @@ def run(engine, requests, max_steps=3000):
         engine.step_all()
     assert not engine._live, "requests left unfinished"
     return {rid: engine.result(rid) for rid in ids}
-
-
-def assert_all_back(engine):
-    for name, mgr in engine.block_managers().items():
-        mgr.check()
-        assert mgr.num_available == mgr.num_blocks, f"{name}: blocks leaked"
 
 
 @pytest.fixture(autouse=True)

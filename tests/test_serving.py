@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from serve_util import engine_for, prompts
+from serve_util import assert_all_back, engine_for, prompts
 
 from jaxdisagg.mesh import Deployment, load_config
 from jaxdisagg.mesh.config import ModelSpec
@@ -47,16 +47,6 @@ def run(engine, arrivals, max_steps=3000):
         step += 1
         assert step < max_steps, "requests left unfinished"
     return [engine.result(rid) for rid in ids]
-
-
-def assert_all_back(engine):
-    for name, mgr in engine.block_managers().items():
-        mgr.check()
-        assert mgr.num_available == mgr.num_blocks, f"{name}: blocks leaked"
-    for w in engine.decoders:
-        assert not w.decode.active and not w.ready and w.handoffs.empty()
-    for w in engine.prefillers:
-        assert not w.scheduler.queue
 
 
 @pytest.fixture(scope="module")

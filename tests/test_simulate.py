@@ -203,6 +203,26 @@ def test_contention_slows_a_pool_only_while_the_other_phase_works():
     assert len(slowed) == pytest.approx(pre / (slow * d), abs=1)
 
 
+def test_a_decode_window_holds_for_a_routed_request_up_to_its_wait():
+    """Two requests at 0, prefilled 0.1 s each: the first one's first decode step waits
+    for the second (admitted at 0.2) under a long window, for the wait under a short one,
+    and not at all when it is the only request routed there."""
+    pre, d = 0.100, 0.010
+
+    def system(min_batch, wait):
+        s = disagg(costs((pre, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)))
+        return dataclasses.replace(s, decode=dataclasses.replace(
+            s.decode, min_batch=min_batch, wait_s=wait))
+
+    first, second = sim.simulate(system(2, 1.0), [(0.0, 16, 5), (0.0, 16, 5)])
+    assert first.itl == pytest.approx([pre + d] + [d] * 3)
+    assert second.itl == pytest.approx([d] * 4)
+    (alone,) = sim.simulate(system(2, 1.0), [(0.0, 16, 5)])
+    assert alone.itl == pytest.approx([d] * 4)
+    first, _ = sim.simulate(system(2, 0.03), [(0.0, 16, 5), (0.0, 16, 5)])
+    assert first.itl[:2] == pytest.approx([0.03 + d] * 2)  # held 0.1-0.13, 0.14-0.17
+
+
 def test_saturated_decode_throughput_is_batch_over_step_time():
     """With more requests waiting than slots, a decode instance emits slots / step
     decode tokens per second (first tokens surface at admission and are left out;

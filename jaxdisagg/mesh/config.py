@@ -53,6 +53,14 @@ class PoolConfig:
     # Decode dispatches step N+1 before reading step N's tokens, so the host's work per
     # step (inputs, emitting tokens, stop checks) overlaps the device's.
     overlap_steps: bool = True
+    # A batching window for decode (off by default): while fewer than
+    # `decode_min_batch` rows are busy and more requests are on their way to this
+    # instance, a step is held up to `decode_wait_s` for them. Each token is then late by
+    # at most that wait; in exchange, where the pools share processors (one host, both
+    # pools in a process), decode stops streaming all the weights for one or two rows
+    # while prefill needs the cores.
+    decode_min_batch: int = 1
+    decode_wait_s: float = 0.0
     # The GPU kernels' launch shapes (tile sizes, splits, warps, stages); a field left
     # out is chosen by shape, from the tuned table or the defaults (`pallas/blocks.py`).
     decode_kernel: DecodeBlocks | None = None
@@ -104,7 +112,7 @@ class DeploymentConfig:
 
 _POSITIVE = {"tp", "instances", "num_blocks", "block_size", "chunk_size", "max_slots",
              "max_pages_per_request", "layer_group_size", "pull_timeout_s", "lease_s",
-             "max_requests", "handoff_queue"}
+             "max_requests", "handoff_queue", "decode_min_batch"}
 
 
 def _type_name(tp) -> str:
@@ -167,7 +175,7 @@ def _from_dict(cls, data, path: str):
         if key in ("local_prefill_threshold", "host_cache_blocks") and kwargs[key] < 0:
             raise ConfigError(f"{where}: must be 0 (off) or a positive token count, "
                               f"got {kwargs[key]!r}")
-        if key == "pull_hold_s" and kwargs[key] < 0:
+        if key in ("pull_hold_s", "decode_wait_s") and kwargs[key] < 0:
             raise ConfigError(f"{where}: must be 0 (off) or a positive number of seconds, "
                               f"got {kwargs[key]!r}")
     try:
@@ -194,6 +202,12 @@ def parse_config(data: dict) -> DeploymentConfig:
             raise ConfigError(f"{name}.num_blocks: {pool.num_blocks} blocks cannot hold one "
                               f"request of max_pages_per_request ({pool.max_pages_per_request})"
                               " pages; raise num_blocks or lower max_pages_per_request")
+        if pool.decode_min_batch > pool.max_slots:
+            raise ConfigError(f"{name}.decode_min_batch: {pool.decode_min_batch} is more "
+                              f"rows than the pool's max_slots ({pool.max_slots})")
+        if name == "prefill" and (pool.decode_min_batch > 1 or pool.decode_wait_s > 0):
+            raise ConfigError(f"{name}.decode_min_batch / decode_wait_s: a prefill pool "
+                              "does not decode; set the window on the decode pool")
     for name in ("prefill", "decode", "colocated"):
         if name not in needed and getattr(cfg, name) is not None:
             raise ConfigError(f"{name}: not used in mode {cfg.mode!r}; remove it or set "

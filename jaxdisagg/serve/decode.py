@@ -182,7 +182,7 @@ class DecodeScheduler:
         if self._flight is not None and self._blocks_short() > self.blocks.num_available:
             # Growing would preempt: read the step in flight first, so that a preempted
             # sequence leaves with every token it was computed.
-            return self._read(self._take_flight())
+            return self.read_in_flight()
         preempted: list[Sequence] = []
         failed: list[tuple[Sequence, Exception]] = []
         self._ensure_blocks(preempted, failed)
@@ -195,6 +195,10 @@ class DecodeScheduler:
         result.preempted[:0], result.failed[:0] = preempted, failed
         result.launched = launched is not None
         return result
+
+    def read_in_flight(self) -> StepResult:
+        """Reads the step in flight, if any, and dispatches none (a held step)."""
+        return self._read(self._take_flight())
 
     def _take_flight(self) -> _InFlight | None:
         flight, self._flight = self._flight, None

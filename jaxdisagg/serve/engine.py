@@ -16,6 +16,7 @@ stops and joins every thread, then frees whatever was still in flight.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import statistics
@@ -145,6 +146,8 @@ class Engine:
         self._build_workers()
         self._load = [0] * len(self.decoders)  # requests routed to each decode worker
         self._queued = [0] * len(self.prefillers)  # prompt tokens routed, not yet prefilled
+        for j, w in enumerate(self.decoders):  # an int read without the lock: a snapshot
+            w.routed = functools.partial(self._load.__getitem__, j)
         self._cap = min(w.capacity for w in self.workers)
         self._threads: list[threading.Thread] = []
         # Tokens and ends go to one output thread (detokenizing, stop strings, results,

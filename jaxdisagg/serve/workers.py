@@ -38,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import queue
+import time
 from collections import deque
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Protocol
 
@@ -275,6 +277,11 @@ class DecodeWorker(_Worker):
         self.bytes_received = 0
         self.transfer_failures = 0
         self.on_transfer_failure = "fail"  # or "recompute": prefill it on this instance
+        # Requests routed to this instance and not finished, as the router counts them
+        # (set by the engine; None: unknown, so the batching window never holds).
+        self.routed: Callable[[], int] | None = None
+        self._held_since: float | None = None  # when the step now held was first due
+        self.held_s = 0.0  # time steps spent held, all told
         self.publish()
 
     # ---------------------------------------------------------------- cancel
@@ -419,6 +426,23 @@ class DecodeWorker(_Worker):
 
     # ---------------------------------------------------------------- the step
 
+    def _hold(self) -> bool:
+        """Whether to hold the decode step due now for more rows (the batching window).
+
+        Held only while fewer rows are busy than `decode_min_batch` and than the requests
+        the router has sent here, and for at most `decode_wait_s` a step: the rows the
+        window waits for are on their way, so the tail of a load never waits.
+        """
+        pool, active = self.inst.pool, len(self.decode.active)
+        if pool.decode_wait_s <= 0 or self.routed is None or not active:
+            return False
+        if active >= min(pool.decode_min_batch, self.routed()):
+            return False
+        now = time.monotonic()
+        if self._held_since is None:
+            self._held_since = now
+        return now - self._held_since < pool.decode_wait_s
+
     def _step(self) -> bool:
         """One iteration: admit, one local prefill chunk, one decode step."""
         self._drain_inbox()
@@ -426,7 +450,13 @@ class DecodeWorker(_Worker):
         self._admit()
         did = self._local_prefill()
         self._admit()
-        result = self.decode.step()
+        if self._hold():
+            result = self.decode.read_in_flight()
+        else:
+            if self._held_since is not None:
+                self.held_s += time.monotonic() - self._held_since
+                self._held_since = None
+            result = self.decode.step()
         for rid, token, logprob in result.tokens:
             self.listener.token(rid, token, logprob)
         for seq in result.finished:
@@ -454,5 +484,5 @@ class DecodeWorker(_Worker):
                 "local_prefill_queued": len(self.scheduler.queue), **self._prefill_tokens(),
                 "handoffs_waiting": self.handoffs.qsize() + len(self.ready),
                 **self.blocks.gauges(), "transfer_bytes_received": self.bytes_received,
-                "transfer_failures": self.transfer_failures}
+                "transfer_failures": self.transfer_failures, "decode_held_s": self.held_s}
 
