@@ -19,8 +19,10 @@ tokens. Then, alternating the systems in every round (the order rotates):
 * serving: 16 prompts of 256 tokens (new ones each round, the same for every system
   within it), 64 new tokens each, all submitted at once to
   both our engines (one CPU device each for prefill and decode, or one colocated
-  instance); llama.cpp answers them one after another, the way one
-  llama-cpp-python context serves, and batched, as llama-server's parallel slots do.
+  instance; the disaggregated one also with its decode batching window, and each
+  with the inter-token gaps, TBT, its streams saw); llama.cpp answers them one after
+  another, the way one llama-cpp-python context serves, and batched, as llama-server's
+  parallel slots do.
   With `--launch`, also the disaggregated deployment as `jaxdisagg launch` runs it
   (two processes, each pinned to one core; the in-process engine's pools share both).
 
@@ -117,12 +119,18 @@ def serving_configs() -> dict[str, DeploymentConfig]:
                       chunk_size=256, max_pages_per_request=pages,
                       max_slots=SERVE_REQUESTS)
     model = ModelSpec("smollm2", "float32")
+    disagg = DeploymentConfig(
+        mode="disaggregated", model=model,
+        prefill=dataclasses.replace(pool, devices=[0], max_slots=1),
+        decode=dataclasses.replace(pool, devices=[1]),
+        transfer=TransferConfig(layer_streaming=True, layer_group_size=6))
     return {
-        "disaggregated": DeploymentConfig(
-            mode="disaggregated", model=model,
-            prefill=dataclasses.replace(pool, devices=[0], max_slots=1),
-            decode=dataclasses.replace(pool, devices=[1]),
-            transfer=TransferConfig(layer_streaming=True, layer_group_size=6)),
+        "disaggregated": disagg,
+        # The same with the decode batching window: while fewer rows are busy than all
+        # the requests routed to it, decode holds a step up to 0.5 s, so the two pools do
+        # not both want the two cores while the prompts are prefilled.
+        "disaggregated, window": dataclasses.replace(disagg, decode=dataclasses.replace(
+            disagg.decode, decode_min_batch=SERVE_REQUESTS, decode_wait_s=0.5)),
         "colocated": DeploymentConfig(mode="colocated", model=model,
                                       colocated=dataclasses.replace(pool, devices=[0])),
     }
@@ -182,6 +190,7 @@ def serve_launched(launched, prompts):
 
 
 def serve_ours(engine, prompts):
+    """(wall s, token ids per request), and every inter-token gap (s) of the run."""
     params = SamplingParams(max_tokens=SERVE_NEW)
     t = time.perf_counter()
     ids = [engine.submit(p, params, stop_token_ids=[]) for p in prompts]
@@ -189,7 +198,7 @@ def serve_ours(engine, prompts):
     wall = time.perf_counter() - t
     if cached := sum(r.cached_tokens for r in results):  # would not be a cold prefill
         raise RuntimeError(f"{cached} prompt tokens came from the prefix cache")
-    return wall, [r.token_ids for r in results]
+    return (wall, [r.token_ids for r in results]), [g for r in results for g in r.tbt_s]
 
 
 # ------------------------------------------------------------------------ peers
@@ -435,7 +444,10 @@ def main(argv=None) -> int:
                         f"lcpp_{k}_decode_b1": v.decode_s(4 * args.repeats)}
 
     def serve_job(name, eng):
-        return lambda: {f"{name}_serve": serve_ours(eng, prompts)}
+        def job():
+            served, gaps = serve_ours(eng, prompts)
+            return {f"{name}_serve": served, f"{name}_tbt": gaps}
+        return job
 
     jobs = [
         lambda: {"ours_prefill": ours.prefill_s(args.repeats),
@@ -461,7 +473,8 @@ def main(argv=None) -> int:
         rounds.append(row)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
 
-    times = {k: spread([rd[k] for rd in rounds]) for k in rounds[0] if not k.endswith("_serve")}
+    times = {k: spread([rd[k] for rd in rounds]) for k in rounds[0]
+             if not k.endswith(("_serve", "_tbt"))}
     table = []
     for what, mine_key, peers_keys in (
             ("prefill 512", "ours_prefill", ("hf_prefill", "lcpp_default_prefill",
@@ -504,6 +517,11 @@ def main(argv=None) -> int:
                     for a, b in zip(mt, lt, strict=True))
                 serving[name][f"vs {peer}"] = {"ratio": ratio, "same_tokens": same}
                 line += f"   vs {peer}: {fmt(ratio)}, same tokens {same:.2f}"
+            if f"{key}_tbt" in rounds[0]:  # what the throughput costs each stream
+                tbt = {f"p{q}": spread([1e3 * float(np.percentile(rd[f"{key}_tbt"], q))
+                                        for rd in rounds]) for q in (50, 99)}
+                serving[name]["tbt_ms"] = tbt
+                line += f"   TBT p50 {fmt(tbt['p50'])} p99 {fmt(tbt['p99'])} ms"
             print(line)
         for e in engines.values():
             e.close()
@@ -513,7 +531,8 @@ def main(argv=None) -> int:
     write_result(args.out, {
         "date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(), "cores": THREADS,
         "jax": jax.__version__, "args": vars(args), "correctness": check,
-        "rounds_s": [{k: v[0] if k.endswith("_serve") else v for k, v in rd.items()}
+        "rounds_s": [{k: v[0] if k.endswith("_serve") else v for k, v in rd.items()
+                      if not k.endswith("_tbt")}
                      for rd in rounds],  # every round's times, to pair within a round
         "times_s": times, "ratios": [{"measurement": w, "peer": p, "ratio": r}
                                      for w, p, _, _, r in table],
