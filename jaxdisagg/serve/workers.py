@@ -433,15 +433,19 @@ class DecodeWorker(_Worker):
         the router has sent here, and for at most `decode_wait_s` a step: the rows the
         window waits for are on their way, so the tail of a load never waits.
         """
-        pool, active = self.inst.pool, len(self.decode.active)
-        if pool.decode_wait_s <= 0 or self.routed is None or not active:
+        pool = self.inst.pool
+        if pool.decode_wait_s <= 0 or self.routed is None:
             return False
-        if active >= min(pool.decode_min_batch, self.routed()):
-            return False
-        now = time.monotonic()
-        if self._held_since is None:
-            self._held_since = now
-        return now - self._held_since < pool.decode_wait_s
+        active, now = len(self.decode.active), time.monotonic()
+        if active and active < min(pool.decode_min_batch, self.routed()):
+            if self._held_since is None:
+                self._held_since = now
+            if now - self._held_since < pool.decode_wait_s:
+                return True
+        if self._held_since is not None:  # a hold ends: the rows came, or the wait is over
+            self.held_s += now - self._held_since
+            self._held_since = None
+        return False
 
     def _step(self) -> bool:
         """One iteration: admit, one local prefill chunk, one decode step."""
@@ -450,13 +454,7 @@ class DecodeWorker(_Worker):
         self._admit()
         did = self._local_prefill()
         self._admit()
-        if self._hold():
-            result = self.decode.read_in_flight()
-        else:
-            if self._held_since is not None:
-                self.held_s += time.monotonic() - self._held_since
-                self._held_since = None
-            result = self.decode.step()
+        result = self.decode.read_in_flight() if self._hold() else self.decode.step()
         for rid, token, logprob in result.tokens:
             self.listener.token(rid, token, logprob)
         for seq in result.finished:
