@@ -97,6 +97,47 @@ inline V16 sum_each_of_16(const V16* v) {
 
 constexpr int kBitrev16[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
 
+inline float hsum(V8 v) {
+  const V4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// As sum_each_of_16, for eight vectors of eight lanes (inputs in kBitrev8 order).
+inline V8 sum_each_of_8(const V8* v) {
+  V8 w[4], u[2];
+  for (int j = 0; j < 4; ++j)
+    w[j] = __builtin_shufflevector(v[2 * j], v[2 * j + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * j], v[2 * j + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  for (int j = 0; j < 2; ++j)
+    u[j] = __builtin_shufflevector(w[2 * j], w[2 * j + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(w[2 * j], w[2 * j + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(u[0], u[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(u[0], u[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+constexpr int kBitrev8[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+
+// The kernels' working vector: one register of the target, 16 lanes with AVX-512 and 8
+// without (AVX2). Arrays of vectors wider than the registers, which the register-blocked
+// kernels hold, GCC keeps in memory and moves lane pairs through general registers: on
+// AVX2 (a Zen 3 host) the 8-row product ran at 19 GFLOP/s a core and the 8-row tied
+// head at 6 (BENCHMARKS.md). kRegs: how many the register file holds.
+#if defined(__AVX512F__)
+typedef V16 VN;
+constexpr int kRegs = 32;
+#else
+typedef V8 VN;
+constexpr int kRegs = 16;
+#endif
+constexpr int kLanes = sizeof(VN) / sizeof(float);
+inline VN loadN(const float* p) { return load_vec<VN>(p); }
+inline void storeN(float* p, VN v) { store_vec(p, v); }
+
+// One vector of the sums of kLanes vectors, lane j the sum of in[kBitrevN[j]].
+inline V16 sum_each(const V16* in) { return sum_each_of_16(in); }
+inline V8 sum_each(const V8* in) { return sum_each_of_8(in); }
+constexpr const int* kBitrevN = kLanes == 16 ? kBitrev16 : kBitrev8;
+
 // exp(x) / 2^n for n = round(x / ln 2): Cody-Waite range reduction and a degree-6
 // polynomial, on one float or on 8 lanes (the constants broadcast).
 template <typename T>
@@ -125,16 +166,16 @@ inline float fast_exp(float x) {
 
 typedef int32_t I16 __attribute__((vector_size(64)));
 
-inline V16 splat16(float x) { return V16{} + x; }
-
-// fast_exp on 16 lanes, for a block of scores at once, rounding by adding and
-// subtracting 1.5 * 2^23 (to nearest, as nearbyint).
-inline V16 fast_exp16(V16 x) {
-  const V16 lo = splat16(-87.0f), magic = splat16(12582912.0f);
+// fast_exp on a vector's lanes, for a block of scores at once, rounding by
+// adding and subtracting 1.5 * 2^23 (to nearest, as nearbyint).
+template <typename V>
+inline V fast_exp_lanes(V x) {
+  using I = decltype(x < x);  // the int32 vector of the same width
+  const V lo = V{} - 87.0f, magic = V{} + 12582912.0f;
   x = x < lo ? lo : x;
-  const V16 n = (x * 1.44269504088896341f + magic) - magic;
-  const I16 bits = (__builtin_convertvector(n, I16) + 127) << 23;
-  V16 scale;
+  const V n = (x * 1.44269504088896341f + magic) - magic;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return exp_reduced(x, n) * scale;
 }

@@ -35,14 +35,17 @@ struct Dims {
   int64_t b, n, h, nb, bs, k, g, p;
 };
 
-inline float hmax16(V16 v) {
-  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const V8 c = a > b ? a : b;
-  const V4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3);
-  const V4 e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+inline float hmax(V8 v) {
+  const V4 d = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  const V4 e = __builtin_shufflevector(v, v, 4, 5, 6, 7);
   const V4 f = d > e ? d : e;
   return std::max(std::max(f[0], f[1]), std::max(f[2], f[3]));
+}
+
+inline float hmax(V16 v) {
+  const V8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const V8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return hmax(a > b ? a : b);
 }
 
 // As jnp indexing reads a table entry: negative counts from the end, then clamped.
@@ -52,15 +55,16 @@ inline int64_t page_index(int64_t entry, int64_t num_blocks) {
 
 // The most query heads of one KV head worked on together, and the longest head_dim,
 // in vectors (a block's state is held in arrays of these sizes).
-constexpr int64_t kMaxRows = 8, kMaxHV = 16;
+constexpr int64_t kMaxRows = 8, kMaxHV = 256 / kLanes;
 
 // One key's row of one KV head (hv vectors at `at` in this page) into out; `ahead`:
 // also fetch the same row of the next page into L2 (the first block of a KV head does).
 inline void load_row(const float* page, const float* next, int64_t at, int64_t hv,
-                     bool ahead, V16* out) {
+                     bool ahead, VN* out) {
   if (ahead)
-    for (int64_t i = 0; i < hv; ++i) __builtin_prefetch(next + at + 16 * i, 0, 2);
-  for (int64_t i = 0; i < hv; ++i) out[i] = load16(page + at + 16 * i);
+    for (int64_t i = 0; i < hv; i += 64 / sizeof(VN))  // a cache line at a time
+      __builtin_prefetch(next + at + kLanes * i, 0, 2);
+  for (int64_t i = 0; i < hv; ++i) out[i] = loadN(page + at + kLanes * i);
 }
 
 // Keys whose scores one chunk of a slot's pages holds for all N query rows (32 KB of
@@ -72,9 +76,9 @@ constexpr int64_t kChunkScores = 8192;
 // N query rows, scores[r * cap + key] (the chunk's keys in order, scaled).
 //
 // Each page once, in order; within a page, each KV head in turn with the block of
-// query heads that share it (at most kMaxRows at a time), 16 keys at a time: a key's
-// K row is loaded once for every query head of the block, and the 16 keys' products are
-// summed by one transposed reduction. kHV, kG > 0 fix head_dim / 16 and G at compile
+// query heads that share it (at most kMaxRows at a time), kLanes keys at a time: a key's
+// K row is loaded once for every query head of the block, and the keys' products are
+// summed by one transposed reduction. kHV, kG > 0 fix head_dim / kLanes and G at compile
 // time (0: read from d) so the loops unroll and a block's queries stay in registers.
 template <int64_t kHV, int64_t kG>
 void chunk_scores(const float* q, const float* kp, const int32_t* table, int64_t len,
@@ -82,7 +86,7 @@ void chunk_scores(const float* q, const float* kp, const int32_t* table, int64_t
                   float* scores) {
   constexpr int64_t kRows = kG ? std::min(kG, kMaxRows) : kMaxRows;
   constexpr int64_t kVecs = kHV ? kHV : kMaxHV;
-  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, g_all = d.g;
+  const int64_t hv = kHV ? kHV : d.h / kLanes, h = hv * kLanes, g_all = d.g;
   const int64_t stride = d.k * h;  // between a page's keys
   int64_t at = 0;  // the page's first key in the chunk
   for (int64_t p = c0; p < c1; ++p) {
@@ -97,30 +101,30 @@ void chunk_scores(const float* q, const float* kp, const int32_t* table, int64_t
       for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
         const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
         const int64_t r0 = k * g_all + g0;  // the block's first query row
-        V16 qs[kRows][kVecs];
+        VN qs[kRows][kVecs];
         for (int64_t g = 0; g < rows; ++g)
           for (int64_t i = 0; i < hv; ++i)
-            qs[g][i] = load16(q + (r0 + g) * h + 16 * i) * scale;
-        for (int64_t t0 = 0; t0 < keys; t0 += 16) {
-          const int64_t n16 = std::min<int64_t>(16, keys - t0);
-          V16 part[kRows][16];
-          for (int64_t j = 0; j < 16; ++j) {
-            if (j >= n16) {
-              for (int64_t g = 0; g < rows; ++g) part[g][kBitrev16[j]] = V16{};
+            qs[g][i] = loadN(q + (r0 + g) * h + kLanes * i) * scale;
+        for (int64_t t0 = 0; t0 < keys; t0 += kLanes) {
+          const int64_t nk = std::min<int64_t>(kLanes, keys - t0);
+          VN part[kRows][kLanes];
+          for (int64_t j = 0; j < kLanes; ++j) {
+            if (j >= nk) {
+              for (int64_t g = 0; g < rows; ++g) part[g][kBitrevN[j]] = VN{};
               continue;
             }
-            V16 kv[kVecs];
+            VN kv[kVecs];
             load_row(k0, k1, (t0 + j) * stride + k * h, hv, g0 == 0, kv);
             for (int64_t g = 0; g < rows; ++g) {
-              V16 s = qs[g][0] * kv[0];
+              VN s = qs[g][0] * kv[0];
               for (int64_t i = 1; i < hv; ++i) s += qs[g][i] * kv[i];
-              part[g][kBitrev16[j]] = s;
+              part[g][kBitrevN[j]] = s;
             }
           }
-          // All 16 lanes are stored; lanes past n16 are overwritten by the next keys'
+          // All the lanes are stored; lanes past nk are overwritten by the next keys'
           // (the rows have 16 floats of room at the end).
           for (int64_t g = 0; g < rows; ++g)
-            store16(scores + (r0 + g) * cap + at + t0, sum_each_of_16(part[g]));
+            storeN(scores + (r0 + g) * cap + at + t0, sum_each(part[g]));
         }
       }
     at += keys;
@@ -134,7 +138,7 @@ void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0
                   const Dims& d, int64_t cap, const float* weights, float* acc) {
   constexpr int64_t kRows = kG ? std::min(kG, kMaxRows) : kMaxRows;
   constexpr int64_t kVecs = kHV ? kHV : kMaxHV;
-  const int64_t hv = kHV ? kHV : d.h / 16, h = hv * 16, g_all = d.g;
+  const int64_t hv = kHV ? kHV : d.h / kLanes, h = hv * kLanes, g_all = d.g;
   const int64_t stride = d.k * h;
   int64_t at = 0;
   for (int64_t p = c0; p < c1; ++p) {
@@ -145,11 +149,11 @@ void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0
       for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
         const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
         const int64_t r0 = k * g_all + g0;
-        V16 a[kRows][kVecs];
+        VN a[kRows][kVecs];
         for (int64_t g = 0; g < rows; ++g)
-          for (int64_t i = 0; i < hv; ++i) a[g][i] = load16(acc + (r0 + g) * h + 16 * i);
+          for (int64_t i = 0; i < hv; ++i) a[g][i] = loadN(acc + (r0 + g) * h + kLanes * i);
         for (int64_t t = 0; t < keys; ++t) {
-          V16 vv[kVecs];
+          VN vv[kVecs];
           load_row(v0, v1, t * stride + k * h, hv, g0 == 0, vv);
           for (int64_t g = 0; g < rows; ++g) {
             const float w = weights[(r0 + g) * cap + at + t];
@@ -157,7 +161,7 @@ void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0
           }
         }
         for (int64_t g = 0; g < rows; ++g)
-          for (int64_t i = 0; i < hv; ++i) store16(acc + (r0 + g) * h + 16 * i, a[g][i]);
+          for (int64_t i = 0; i < hv; ++i) storeN(acc + (r0 + g) * h + kLanes * i, a[g][i]);
       }
     at += keys;
   }
@@ -166,20 +170,20 @@ void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0
 // Scores [0, n) of a row -> their exponentials relative to the row's running maximum,
 // which is raised to the chunk's: returns the factor for what came before.
 inline float softmax_chunk(float* s, int64_t n, float& row_max, float& row_sum) {
-  V16 mv = splat16(kNegInf);
+  VN mv = VN{} + kNegInf;
   int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const V16 x = load16(s + j);
+  for (; j + kLanes <= n; j += kLanes) {
+    const VN x = loadN(s + j);
     mv = mv > x ? mv : x;
   }
-  float mx = hmax16(mv);
+  float mx = hmax(mv);
   for (int64_t t = j; t < n; ++t) mx = std::max(mx, s[t]);
   mx = std::max(mx, row_max);
   const float keep = row_max == kNegInf ? 0.0f : fast_exp(row_max - mx);
-  V16 sum{};
-  for (j = 0; j + 16 <= n; j += 16) {
-    const V16 e = fast_exp16(load16(s + j) - mx);
-    store16(s + j, e);
+  VN sum{};
+  for (j = 0; j + kLanes <= n; j += kLanes) {
+    const VN e = fast_exp_lanes(loadN(s + j) - mx);
+    storeN(s + j, e);
     sum += e;
   }
   float total = hsum(sum);
@@ -240,8 +244,8 @@ AttendFn attend_for_groups(int64_t g) {
 
 AttendFn attend_for(const Dims& d) {
   switch (d.h) {
-    case 64: return attend_for_groups<4>(d.g);
-    case 128: return attend_for_groups<8>(d.g);
+    case 64: return attend_for_groups<64 / kLanes>(d.g);
+    case 128: return attend_for_groups<128 / kLanes>(d.g);
     default: return attend_for_groups<0>(d.g);
   }
 }
@@ -255,7 +259,7 @@ ffi::Error decode(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
                                        "tables [B,P], lens [B] expected");
   Dims d{qd[0], qd[1], qd[2], pd[0], pd[1], pd[2], 0, td[1]};
   if (pd[3] != d.h || d.k <= 0 || d.n % d.k != 0 || td[0] != d.b ||
-      lens.dimensions()[0] != d.b || d.nb <= 0 || d.h % 16 != 0 || d.h > 16 * kMaxHV)
+      lens.dimensions()[0] != d.b || d.nb <= 0 || d.h % 16 != 0 || d.h > kLanes * kMaxHV)
     return ffi::Error::InvalidArgument("paged decode: inconsistent shapes, or head_dim "
                                        "not a multiple of 16 up to 256");
   d.g = d.n / d.k;

@@ -5,7 +5,7 @@
 // At a few rows a product is a stream of its weight from memory; XLA:CPU's library
 // GEMMs reach 12-21 GB/s there on SmolLM2's shapes, against ~28 GB/s the memory
 // gives two cores. Here each thread takes a contiguous range of w's rows and walks
-// R of them side by side in 16-lane chunks (R sequential streams, which the
+// R of them side by side in chunks of a vector register (R sequential streams, which the
 // hardware prefetchers follow), using each loaded chunk for all M rows of x; the
 // threads' partial sums are added at the end. BENCHMARKS.md has the measurements.
 
@@ -31,25 +31,25 @@ constexpr int64_t kRows = 8;  // R: rows of w walked together (8 measured best o
 // so the kernel stops at 16 (`cpu.SMALL_PRODUCT_ROWS`). Tiles of 128-1024 measured alike.
 constexpr int64_t kGroup = 8, kCols = 256;
 
-// y[M, j0:j1] += x[M, d:d+R] @ w[d:d+R, j0:j1] (x rows of length dd, w rows of length n;
-// w0 = w + d * n). `ahead`: also fetch the next R rows into L2 (the first group of x's
+// y[M, j0:j1] += x[M, d:d+R] @ w[d:d+R, j0:j1] (x rows of length dd, w rows of length n,
+// y rows ys apart; w0 = w + d * n). `ahead`: also fetch the next R rows into L2 (the first group of x's
 // rows does it, the others find the tile in cache).
 template <int M>
 void rows_tile(const float* x, int64_t dd, const float* w0, int64_t n, int64_t d,
-               int64_t j0, int64_t j1, float* y, bool ahead) {
+               int64_t j0, int64_t j1, float* y, int64_t ys, bool ahead) {
   float a[M][kRows];
   for (int m = 0; m < M; ++m)
     for (int i = 0; i < kRows; ++i) a[m][i] = x[m * dd + d + i];
-  for (int64_t j = j0; j < j1; j += 16) {
-    V16 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = load16(y + m * n + j);
+  for (int64_t j = j0; j < j1; j += kLanes) {
+    VN acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = loadN(y + m * ys + j);
     for (int i = 0; i < kRows; ++i) {
-      const V16 v = load16(w0 + i * n + j);
+      const VN v = loadN(w0 + i * n + j);
       // The next group's rows, into L2: 0.80-0.94x the time at 1-8 rows of x.
       if (ahead) __builtin_prefetch(w0 + (kRows + i) * n + j, 0, 2);
       for (int m = 0; m < M; ++m) acc[m] += a[m][i] * v;
     }
-    for (int m = 0; m < M; ++m) store16(y + m * n + j, acc[m]);
+    for (int m = 0; m < M; ++m) storeN(y + m * ys + j, acc[m]);
   }
 }
 
@@ -77,25 +77,30 @@ Groups<Fn> groups_for(int64_t m, Make make) {
   return {pick<Fn>(kGroup, make, seq), pick<Fn>((m - 1) % kGroup + 1, make, seq)};
 }
 
-// y[m, N] = x[m, d0:d1] @ w[d0:d1, N], any m >= 1.
+// y[m, N] = x[m, d0:d1] @ w[d0:d1, N], any m >= 1; y's rows ys apart.
 void rows_product(const float* x, int64_t m, int64_t dd, const float* w, int64_t n,
-                  int64_t d0, int64_t d1, float* y) {
-  std::fill(y, y + m * n, 0.0f);
+                  int64_t d0, int64_t d1, float* y, int64_t ys) {
+  std::fill(y, y + m * ys, 0.0f);
   const int64_t cols = m <= kGroup ? n : kCols;  // one group: whole rows, as before
   const auto fns = groups_for<TileFn>(m, [](auto k) -> TileFn {
     return rows_tile<decltype(k)::value>;
   });
+  // w's rows 4 KB apart, or a multiple of it (SmolLM2's gate/up, N = 3072), share one set
+  // of L1: the 8 rows walked fill its 8 ways, and prefetching the next 8 evicted them
+  // (on a Zen 3 host that product ran 1.3-1.5x slower with the prefetch than without,
+  // and 4 rows at a time with it no better).
+  const bool ahead = (n * 4) % 4096 != 0;
   int64_t d = d0;
   for (; d + kRows <= d1; d += kRows)
     for (int64_t j0 = 0; j0 < n; j0 += cols)
       for (int64_t m0 = 0; m0 < m; m0 += kGroup)
         fns.at(m0, m)(x + m0 * dd, dd, w + d * n, n, d, j0, std::min(n, j0 + cols),
-                      y + m0 * n, m0 == 0);
+                      y + m0 * ys, ys, ahead && m0 == 0);
   for (; d < d1; ++d)
-    for (int64_t j = 0; j < n; j += 16) {
-      const V16 v = load16(w + d * n + j);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const VN v = loadN(w + d * n + j);
       for (int64_t r = 0; r < m; ++r)
-        store16(y + r * n + j, load16(y + r * n + j) + x[r * dd + d] * v);
+        storeN(y + r * ys + j, loadN(y + r * ys + j) + x[r * dd + d] * v);
     }
 }
 
@@ -115,17 +120,23 @@ ffi::Error product(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ff
   // a thread measured no better), in whole groups of kRows.
   const int64_t parts = std::clamp<int64_t>(useful_threads(pool), 1, std::max<int64_t>(1, dd / kRows));
   const int64_t per = ((dd + parts - 1) / parts + kRows - 1) / kRows * kRows;
-  std::vector<float> part(parts * m * n);
+  // The partial sums' rows are padded by a cache line: w's rows, when 4 KB apart or a
+  // multiple of it (SmolLM2's gate/up, N = 3072), map to one set of L1, and y's rows at
+  // the same stride joined them there (that product ran at a quarter of the others'
+  // rate on a Zen 3 host, in cache or not).
+  const int64_t ys = n + 16, size = m * ys;
+  std::vector<float> part(parts * size);
   float* pp = part.data();
   parallel_for(pool, parts, [=](int64_t i) {
     const int64_t d0 = std::min(dd, i * per), d1 = std::min(dd, d0 + per);
-    rows_product(xp, m, dd, wp, n, d0, d1, pp + i * m * n);
+    rows_product(xp, m, dd, wp, n, d0, d1, pp + i * size, ys);
   });
-  for (int64_t j = 0; j < m * n; j += 16) {
-    V16 s = load16(pp + j);
-    for (int64_t i = 1; i < parts; ++i) s += load16(pp + i * m * n + j);
-    store16(yp + j, s);
-  }
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t j = 0; j < n; j += kLanes) {
+      VN s = loadN(pp + r * ys + j);
+      for (int64_t i = 1; i < parts; ++i) s += loadN(pp + i * size + r * ys + j);
+      storeN(yp + r * n + j, s);
+    }
   return ffi::Error::Success();
 }
 
@@ -146,21 +157,21 @@ void head_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v
   int64_t v = v0;
   for (; v + kR <= v1; v += kR) {
     const float* e0 = e + v * dd;
-    V16 acc[M][kR] = {};
-    for (int64_t j = 0; j < dd; j += 16) {
-      V16 xs[M];
-      for (int m = 0; m < M; ++m) xs[m] = load16(x + m * dd + j);
+    VN acc[M][kR] = {};
+    for (int64_t j = 0; j < dd; j += kLanes) {
+      VN xs[M];
+      for (int m = 0; m < M; ++m) xs[m] = loadN(x + m * dd + j);
       for (int r = 0; r < kR; ++r) {
-        const V16 c = load16(e0 + r * dd + j);
+        const VN c = loadN(e0 + r * dd + j);
         __builtin_prefetch(e0 + (r + kAhead) * dd + j, 0, 2);  // a hint: past the end is harmless
         for (int m = 0; m < M; ++m) acc[m][r] += xs[m] * c;
       }
     }
-    if constexpr (M * kR == 16) {  // all 16 sums by one transposed reduction
-      V16 in[16];
+    if constexpr (M * kR == kLanes) {  // all the sums by one transposed reduction
+      VN in[kLanes];
       for (int m = 0; m < M; ++m)
-        for (int r = 0; r < kR; ++r) in[kBitrev16[m * kR + r]] = acc[m][r];
-      const V16 s = sum_each_of_16(in);
+        for (int r = 0; r < kR; ++r) in[kBitrevN[m * kR + r]] = acc[m][r];
+      const VN s = sum_each(in);
       for (int m = 0; m < M; ++m)
         for (int r = 0; r < kR; ++r) y[m * nv + v + r] = s[m * kR + r];
     } else {
@@ -172,11 +183,13 @@ void head_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v
 }
 
 // Rows of e walked together: enough independent sums to hide the multiply-add's
-// latency at few rows of x, few enough that M x kR accumulators stay in registers.
+// latency at few rows of x, few enough that M x kR accumulators, M chunks of x and one
+// of e stay in registers (32 with AVX-512, 16 with AVX2).
 template <int M>
 void head_for_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v0,
                    int64_t v1, float* y) {
-  head_rows<M, (M <= 2 ? 4 : M <= 8 ? 2 : 1)>(x, dd, e, nv, v0, v1, y);
+  constexpr int kR = kRegs >= 32 ? (M <= 2 ? 4 : M <= 8 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);
+  head_rows<M, kR>(x, dd, e, nv, v0, v1, y);
 }
 
 using HeadFn = decltype(&head_for_rows<1>);

@@ -59,12 +59,12 @@ int64_t first_argmax(const float* x, int64_t v) {
 // log_softmax's every entry is NaN too.
 float log_norm(const float* x, int64_t v, float m) {
   if (!std::isfinite(m)) return kNaN;
-  const int64_t whole = v / 32 * 32;
-  const V16 mv = splat16(m);
-  V16 s0{}, s1{};  // two chains: each exponential is ~15 dependent operations
-  for (int64_t j = 0; j < whole; j += 32) {
-    s0 += fast_exp16(load16(x + j) - mv);
-    s1 += fast_exp16(load16(x + j + 16) - mv);
+  const int64_t whole = v / (2 * kLanes) * (2 * kLanes);
+  const VN mv = VN{} + m;
+  VN s0{}, s1{};  // two chains: each exponential is ~15 dependent operations
+  for (int64_t j = 0; j < whole; j += 2 * kLanes) {
+    s0 += fast_exp_lanes(loadN(x + j) - mv);
+    s1 += fast_exp_lanes(loadN(x + j + kLanes) - mv);
   }
   float total = hsum(s0 + s1);
   for (int64_t j = whole; j < v; ++j) total += fast_exp(x[j] - m);
