@@ -139,7 +139,7 @@ inline V8 sum_each(const V8* in) { return sum_each_of_8(in); }
 constexpr const int* kBitrevN = kLanes == 16 ? kBitrev16 : kBitrev8;
 
 // exp(x) / 2^n for n = round(x / ln 2): Cody-Waite range reduction and a degree-6
-// polynomial, on one float or on 8 lanes (the constants broadcast).
+// polynomial, on one float or on a vector's lanes (the constants broadcast).
 template <typename T>
 inline T exp_reduced(T x, T n) {
   const T r = (x - n * 0.693359375f) + n * 2.12194440e-4f;

@@ -32,8 +32,8 @@ constexpr int64_t kRows = 8;  // R: rows of w walked together (8 measured best o
 constexpr int64_t kGroup = 8, kCols = 256;
 
 // y[M, j0:j1] += x[M, d:d+R] @ w[d:d+R, j0:j1] (x rows of length dd, w rows of length n,
-// y rows ys apart; w0 = w + d * n). `ahead`: also fetch the next R rows into L2 (the first group of x's
-// rows does it, the others find the tile in cache).
+// y rows ys apart; w0 = w + d * n). `ahead`: also fetch the next R rows into L2 (the
+// first group of x's rows does it, the others find the tile in cache).
 template <int M>
 void rows_tile(const float* x, int64_t dd, const float* w0, int64_t n, int64_t d,
                int64_t j0, int64_t j1, float* y, int64_t ys, bool ahead) {
@@ -85,10 +85,8 @@ void rows_product(const float* x, int64_t m, int64_t dd, const float* w, int64_t
   const auto fns = groups_for<TileFn>(m, [](auto k) -> TileFn {
     return rows_tile<decltype(k)::value>;
   });
-  // w's rows 4 KB apart, or a multiple of it (SmolLM2's gate/up, N = 3072), share one set
-  // of L1: the 8 rows walked fill its 8 ways, and prefetching the next 8 evicted them
-  // (on a Zen 3 host that product ran 1.3-1.5x slower with the prefetch than without,
-  // and 4 rows at a time with it no better).
+  // w's rows 4 KB-aliased (see `product`): the 8 rows walked fill their L1 set's 8 ways,
+  // and prefetching the next 8 evicted them (Zen 3: 1.3-1.5x the time with it).
   const bool ahead = (n * 4) % 4096 != 0;
   int64_t d = d0;
   for (; d + kRows <= d1; d += kRows)
@@ -188,8 +186,8 @@ void head_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v
 template <int M>
 void head_for_rows(const float* x, int64_t dd, const float* e, int64_t nv, int64_t v0,
                    int64_t v1, float* y) {
-  constexpr int kR = kRegs >= 32 ? (M <= 2 ? 4 : M <= 8 ? 2 : 1) : (M <= 2 ? 4 : M <= 4 ? 2 : 1);
-  head_rows<M, kR>(x, dd, e, nv, v0, v1, y);
+  constexpr int kPairs = kRegs >= 32 ? 8 : 4;  // the most rows of x that take 2 rows of e
+  head_rows<M, (M <= 2 ? 4 : M <= kPairs ? 2 : 1)>(x, dd, e, nv, v0, v1, y);
 }
 
 using HeadFn = decltype(&head_for_rows<1>);
