@@ -157,12 +157,12 @@ def test_attention_reads_the_narrowest_table_that_holds_the_batch(tiny_model, in
     assert inst.table_widths == [1, 2, 4, 8]
     widths, real = [], inst._decode
 
-    def spy(state, kv, tokens, positions, tables, lens, rows, index):
+    def spy(state, kv, previous, tokens, carried, positions, tables, lens, rows, index):
         if len(index) == len(lens):  # a smaller batch runs the full width
             widths.append((tables.shape[1], int(lens.max())))
         else:
             assert tables.shape[1] == inst.max_pages
-        return real(state, kv, tokens, positions, tables, lens, rows, index)
+        return real(state, kv, previous, tokens, carried, positions, tables, lens, rows, index)
 
     monkeypatch.setattr(inst, "_decode", spy)
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
@@ -185,9 +185,9 @@ def test_a_step_runs_only_the_busy_slots(tiny_model, inst, overlap, monkeypatch)
     assert inst.batch_sizes == [1, 3]
     steps, real = [], inst._decode
 
-    def spy(state, kv, tokens, positions, tables, lens, rows, index):
+    def spy(state, kv, previous, tokens, carried, positions, tables, lens, rows, index):
         steps.append((len(index), int((lens > 0).sum()), set(np.asarray(index).tolist())))
-        return real(state, kv, tokens, positions, tables, lens, rows, index)
+        return real(state, kv, previous, tokens, carried, positions, tables, lens, rows, index)
 
     monkeypatch.setattr(inst, "_decode", spy)
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
@@ -210,13 +210,14 @@ def test_a_step_runs_only_the_busy_slots(tiny_model, inst, overlap, monkeypatch)
 def test_overlap_dispatches_the_next_step_before_reading_this_one(tiny_model, inst,
                                                                  monkeypatch):
     """With overlap, step() returns the previous step's tokens: the first call reads
-    nothing, each later one feeds the step in flight's tokens on the device. A stop
+    nothing, each later one takes the step in flight's tokens on the device. A stop
     token found in flight drops the one row computed past it; its blocks come back."""
     feeds, real = [], inst.decode
 
-    def spy(tokens, *args):
-        feeds.append(type(tokens).__module__.split(".")[0])
-        return real(tokens, *args)
+    def spy(tokens, *args, previous=None, carried=None):
+        feeds.append("host" if previous is None else
+                     ("device" if carried.any() else "neither"))
+        return real(tokens, *args, previous=previous, carried=carried)
 
     monkeypatch.setattr(inst, "decode", spy)
     mgr = BlockManager(inst.layout.num_blocks, BS, prefix_cache=False)
@@ -232,13 +233,16 @@ def test_overlap_dispatches_the_next_step_before_reading_this_one(tiny_model, in
     sched.admit(b)
     first = sched.step()
     assert first.launched and not first.tokens and sched.in_flight
+    programs = inst._decode._cache_size()
     second = sched.step()
     assert [rid for rid, *_ in second.tokens] == ["a", "b"]
+    # the step fed on the device is the program the host-fed one compiled
+    assert inst._decode._cache_size() == programs
     while sched.active or sched.in_flight:
         sched.step()
     assert a.finish_reason == "stop" and a.tokens == want[0][:k + 1]
     assert b.finish_reason == "length" and b.tokens == want[1]
-    assert feeds[0] == "numpy" and set(feeds[1:]) == {"jaxlib"}
+    assert feeds[0] == "host" and set(feeds[1:]) == {"device"}
     # b's 5 decoded tokens take 5 steps; the last is dispatched with nothing after it
     assert len(feeds) == 5
     mgr.check()

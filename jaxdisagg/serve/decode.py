@@ -229,10 +229,11 @@ class DecodeScheduler:
             rows.append((i, seq))
         if not rows:
             return None
-        feed = (tokens if not carried.any() else
-                self.inst.feed(self._flight.new, tokens, carried))
-        new, logprobs = self.inst.decode(feed, positions, tables, lens,
-                                         row_params(params, steps, self.inst.config.vocab_size))
+        previous = self._flight.new if carried.any() else None
+        new, logprobs = self.inst.decode(tokens, positions, tables, lens,
+                                         row_params(params, steps, self.inst.config.vocab_size),
+                                         previous=previous,
+                                         carried=carried if previous is not None else None)
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
 
     def _read(self, flight: _InFlight | None) -> StepResult:
