@@ -102,7 +102,8 @@ void chunk_scores(const float* q, const float* kp, const int32_t* table, int64_t
     // it ran 0.92x slower: L1 keeps fewer misses in flight. Two pages ahead took
     // 0.80-0.94x the time of one page ahead at 8 slots out of cache on a Zen 3 host (4
     // alternated runs; 1 slot unchanged), four pages ahead 0.94-1.04x.
-    const float* k1 = kp + page_index(table[std::min(p + kPagesAhead, c1 - 1)], d.nb) * d.bs * stride;
+    const float* k1 = kp +
+        page_index(table[std::min(p + kPagesAhead, c1 - 1)], d.nb) * d.bs * stride;
     for (int64_t k = 0; k < d.k; ++k)
       for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
         const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
@@ -150,7 +151,8 @@ void chunk_values(const float* vp, const int32_t* table, int64_t len, int64_t c0
   for (int64_t p = c0; p < c1; ++p) {
     const int64_t keys = std::min<int64_t>(d.bs, len - p * d.bs);
     const float* v0 = vp + page_index(table[p], d.nb) * d.bs * stride;
-    const float* v1 = vp + page_index(table[std::min(p + kPagesAhead, c1 - 1)], d.nb) * d.bs * stride;
+    const float* v1 = vp +
+        page_index(table[std::min(p + kPagesAhead, c1 - 1)], d.nb) * d.bs * stride;
     for (int64_t k = 0; k < d.k; ++k)
       for (int64_t g0 = 0; g0 < g_all; g0 += kRows) {
         const int64_t rows = kG ? kRows : std::min(kRows, g_all - g0);
