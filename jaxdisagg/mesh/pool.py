@@ -124,7 +124,7 @@ class PoolInstance:
         self.page_sharding = kv_sharding(self.mesh)
         self.kv = self._allocate()
 
-        rep = self._rep = replicated(self.mesh)
+        rep = replicated(self.mesh)
         kv_sh = self._kv_shardings(self.config.num_layers)
         step = _over_leaves(decode_sample_rows, treedef, graphdef, backend=attention,
                             mesh=self.mesh)
@@ -136,6 +136,7 @@ class PoolInstance:
         def fed(params, kv, previous, host, carried, *args):
             return step(params, kv, jnp.where(carried, previous, host), *args)
 
+        self._no_previous = jax.device_put(np.zeros(pool.max_slots, np.int32), rep)
         self._decode = jax.jit(
             fed, in_shardings=(self._state_sharding, kv_sh) + (rep,) * 8,
             out_shardings=(rep, rep, kv_sh), donate_argnums=(1,))
@@ -225,9 +226,8 @@ class PoolInstance:
         the full width: its few rows' attention is a small part of its step, and a
         program per (batch size, width) would multiply the programs warm-up compiles
         (SmolLM2 on 2 CPU cores: 7 s each)."""
-        b = self.pool.max_slots
-        if previous is None:
-            previous, carried = self._no_previous(), np.zeros(b, bool)
+        if previous is None:  # no row carried; always a device array: one trace
+            previous, carried = self._no_previous, np.zeros(self.pool.max_slots, bool)
         index = step_rows(seq_lens, self.batch_sizes)
         pages = -(-int(seq_lens.max(initial=1)) // self.layout.block_size)
         width = smallest_fit(pages, self.step_widths(len(index)))
@@ -235,13 +235,6 @@ class PoolInstance:
             self.params, self.kv, previous, np.asarray(tokens, np.int32), carried, positions,
             block_tables[:, :width], seq_lens, rows, index)
         return new, logprobs
-
-    def _no_previous(self) -> jax.Array:
-        """A device array standing in for `previous` when no row is carried: the same
-        argument kind every call, so the program is traced once."""
-        if not hasattr(self, "_zeros"):
-            self._zeros = jax.device_put(np.zeros(self.pool.max_slots, np.int32), self._rep)
-        return self._zeros
 
     def step_widths(self, busy: int) -> list[int]:
         """The table widths a step with `busy` busy slots is compiled for: every width

@@ -229,11 +229,10 @@ class DecodeScheduler:
             rows.append((i, seq))
         if not rows:
             return None
-        previous = self._flight.new if carried.any() else None
         new, logprobs = self.inst.decode(tokens, positions, tables, lens,
                                          row_params(params, steps, self.inst.config.vocab_size),
-                                         previous=previous,
-                                         carried=carried if previous is not None else None)
+                                         previous=self._flight.new if carried.any() else None,
+                                         carried=carried)
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
 
     def _read(self, flight: _InFlight | None) -> StepResult:
