@@ -92,9 +92,11 @@ void rows_product(const float* x, int64_t m, int64_t dd, const float* w, int64_t
   const auto fns = groups_for<TileFn>(m, [](auto k) -> TileFn {
     return rows_tile<decltype(k)::value>;
   });
-  // w's rows 4 KB-aliased (see `product`): the 8 rows walked fill their L1 set's 8 ways,
-  // and prefetching the next 8 evicted them (Zen 3: 1.3-1.5x the time with it).
-  const bool ahead = (n * 4) % 4096 != 0;
+  // w's rows 4 KB-aliased (see `product`): on a Zen 3 host (AVX2) the 8 rows walked fill
+  // their L1 set's 8 ways and prefetching the next 8 evicted them (1.3-1.5x the time with
+  // it). A Zen 4 host gains from the prefetch there as elsewhere (AVX-512 build: 0.82-0.97x
+  // the time at 1-8 rows; its AVX2 build mixed, 0.85-1.05x), so only AVX2 builds skip it.
+  const bool ahead = kLanes == 16 || (n * 4) % 4096 != 0;
   int64_t d = d0;
   for (; d + kRows <= d1; d += kRows)
     for (int64_t j0 = 0; j0 < n; j0 += cols)
