@@ -253,6 +253,14 @@ class System:
     # RPCs, the KV's extraction and offer): after a request's last chunk the instance
     # is held that long before its next chunk; the request itself is not delayed.
     prefill_request_s: float = 0.0
+    # How `request_s` shares the decode instance's cores with its loop. 0: it holds the
+    # loop at each admission. Else the instance has that many cores; while its programs
+    # run, the loop's threads take all of them (XLA's helpers spin between calls) and the
+    # requests' host work runs as one more thread, the OS sharing the cores evenly: the
+    # loop slows by (c + 1) / c while host work is owed, which gets c / (c + 1) of a core
+    # (a whole core while the loop idles). A request joins the batch once its own host
+    # work would be done.
+    request_cores: float = 0.0
 
 
 @dataclass(eq=False)
@@ -269,6 +277,7 @@ class _Req:
     decode: int = 0  # its decode instance
     transferred: bool = False
     transfer_ready: float = 0.0  # when its KV has landed (a non-blocking transfer)
+    host_done: float | None = None  # when its host work beside the loop is done
     prefill: int = -1  # its prefill instance
 
 
@@ -450,6 +459,42 @@ class _DecodeInst(_Inst):
         self.lengths: list = []  # (-(prompt - join step), seq, request): the longest row
         self._seq = itertools.count()
         self.held_since: float | None = None  # when the step now held was first due
+        self.debt = 0.0  # host CPU of admitted requests not yet done (`request_cores`)
+        self.debt_t = 0.0  # the time up to which `debt` is accounted
+
+    def _program(self, t: float, d0: float) -> float:
+        """The end of a program that starts at t and takes d0 alone, beside the host work
+        still owed (`System.request_cores`)."""
+        c = self.sim.s.request_cores
+        if c <= 0:
+            return t + d0
+        if t > self.debt_t:  # while the loop idled the host work had a core
+            self.debt = max(0.0, self.debt - (t - self.debt_t))
+        slow, rate = (c + 1) / c, c / (c + 1)
+        clear = self.debt / rate  # when the host work owed is done, at the shared rate
+        if clear >= d0 * slow:
+            self.debt -= d0 * slow * rate
+            end = t + d0 * slow
+        else:
+            self.debt = 0.0
+            end = t + clear + (d0 - clear / slow)
+        self.debt_t = end
+        return end
+
+    def _host_work(self, r: _Req, t: float) -> bool:
+        """Whether r still waits for its own host work, run beside the loop
+        (`System.request_cores`; it begins once r is at the head, its KV arrived)."""
+        s = self.sim.s
+        if s.request_cores <= 0 or s.request_s <= 0:
+            return False
+        if r.host_done is None:
+            self._program(t, 0.0)  # what is owed, drained to t
+            self.debt += s.request_s
+            r.host_done = t + s.request_s
+        if r.host_done > t:
+            self.sim.at(r.host_done, self.wake)
+            return True
+        return False
 
     def room(self) -> bool:
         return len(self.handoffs) + self.in_flight < self.sim.s.handoff_queue
@@ -463,17 +508,21 @@ class _DecodeInst(_Inst):
         tr = self.sim.s.transfer
         while self.ready and self.active < self.pool.max_slots:
             r = self.ready[0]
+            if r.transferred and tr.blocking and r.transfer_ready > t:
+                # still in its latency: step on, come back
+                if r.transfer_ready < math.inf:  # (else its prefill instance wakes us)
+                    self.sim.at(r.transfer_ready, self.wake)
+                break
+            if self._host_work(r, t):
+                break
             if r.transferred and tr.blocking:
-                if r.transfer_ready > t:  # still in its latency: step on, come back
-                    if r.transfer_ready < math.inf:  # (else its prefill instance wakes us)
-                        self.sim.at(r.transfer_ready, self.wake)
-                    break
                 t += tr.seconds(r.prompt)
                 self.sim.pre[r.prefill].release(r.prompt)
             elif r.transferred:
                 t = max(t, r.transfer_ready)
             self.ready.popleft()
-            t += self.sim.s.request_s
+            if self.sim.s.request_cores <= 0:
+                t += self.sim.s.request_s
             r.marks["decode_insert"] = t
             r.first = t  # the first token surfaces on admission
             r.joined = len(self.steps)
@@ -511,7 +560,7 @@ class _DecodeInst(_Inst):
             did = True
             n, executed, last = _chunk(self.pool, r)
             r.marks.setdefault("prefill_start", t)
-            t += self.pool.costs.prefill_s(executed, r.pos)
+            t = self._program(t, self.pool.costs.prefill_s(executed, r.pos))
             r.pos += n
             if last:
                 self.local.popleft()
@@ -525,8 +574,8 @@ class _DecodeInst(_Inst):
             while self.lengths[0][2].done:
                 heapq.heappop(self.lengths)
             longest = -self.lengths[0][0] + len(self.steps) + 1
-            t += (self.pool.costs.decode_s(self.active, self.kv, longest)
-                  * _slowdown(self.pool, self.sim.pre) + self.sim.s.token_s * self.active)
+            t = self._program(t, self.pool.costs.decode_s(self.active, self.kv, longest)
+                          * _slowdown(self.pool, self.sim.pre) + self.sim.s.token_s * self.active)
             self.steps.append(t)
             self.kv += self.active
             k = len(self.steps) - 1
@@ -643,7 +692,8 @@ def capacity(system: System, prompt: float, output: float) -> float:
 def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None = None,
                        iteration_s: float = 0.0, token_s: float = 0.0, admit_s: float = 0.0,
                        contended: dict[str, float] | None = None,
-                       request_s: float = 0.0, prefill_request_s: float = 0.0) -> System:
+                       request_s: float = 0.0, prefill_request_s: float = 0.0,
+                       request_cores: float = 0.0) -> System:
     """The System a DeploymentConfig serves: its pools' instances, chunk sizes, slots
     and tp, its router's handoff queue and local-prefill threshold. `costs` (and
     optionally `contended`) per pool name; `transfer` defaults to the fabric table
@@ -662,12 +712,12 @@ def system_from_config(cfg, costs: dict[str, Costs], transfer: Transfer | None =
     if cfg.mode == "colocated":
         return System("colocated", spec("colocated"), iteration_s=iteration_s,
                       handoff_queue=cfg.router.handoff_queue, token_s=token_s,
-                      admit_s=admit_s, request_s=request_s)
+                      admit_s=admit_s, request_s=request_s, request_cores=request_cores)
     if transfer is None:
         raise ValueError("a disaggregated system needs its KV transfer's cost")
     return System("disaggregated", spec("decode"), spec("prefill"), transfer,
                   cfg.router.handoff_queue, cfg.router.local_prefill_threshold, iteration_s,
-                  token_s, admit_s, request_s, prefill_request_s)
+                  token_s, admit_s, request_s, prefill_request_s, request_cores)
 
 
 # ---------------------------------------------------------------------- calibration files

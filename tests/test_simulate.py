@@ -99,6 +99,26 @@ def test_request_host_time_holds_the_decode_loop_once_per_admission():
     assert sum(first.itl) == pytest.approx(39 * d + req)
 
 
+@pytest.mark.parametrize("cores", [1, 2])
+def test_request_host_time_beside_the_loop_costs_it_a_share_of_the_cores(cores):
+    """With `request_cores` c the request's host work runs beside the loop as one more
+    thread on c cores: a lone request's TTFT still grows by it, but a request already
+    decoding loses req / c in all, spread over the steps (each slowed by (c + 1) / c
+    while it is owed), not one gap of req."""
+    d, req = 0.004, 0.020
+    base = disagg(costs((0.001, 0.0, 0.0)), costs(decode=(d, 0.0, 0.0, 0.0)))
+    system = dataclasses.replace(base, request_s=req, request_cores=cores)
+    (alone,) = sim.simulate(system, [(0.0, 16, 5)])
+    (plain,) = sim.simulate(base, [(0.0, 16, 5)])
+    assert alone.ttft == pytest.approx(plain.ttft + req)
+    first, second = sim.simulate(system, [(0.0, 16, 40), (0.050, 16, 2)])
+    # its own host work is done before it joins, so only the second's slows it
+    assert sum(first.itl) == pytest.approx(39 * d + req / cores)
+    assert max(first.itl) == pytest.approx(d * (cores + 1) / cores, rel=1e-6)
+    step = d * (cores + 1) / cores  # it joins at the end of the step its host work ends in
+    assert plain.ttft + req <= second.ttft <= plain.ttft + req + step + 1e-9
+
+
 def test_prefill_host_time_holds_the_prefill_loop_after_each_request():
     """Per-request CPU on a prefill instance's cores beyond its chunks
     (`prefill_request_s`): a lone request's TTFT does not change; of two requests that
