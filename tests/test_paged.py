@@ -132,6 +132,21 @@ def test_empty_decode_slot_writes_nothing(setup):
         np.testing.assert_array_equal(b, np.asarray(k))
 
 
+def _compiled_step(setup, kind: str, width: int) -> str:
+    """The optimised HLO of a decode step of `width` slots or a prefill chunk of `width`
+    tokens, over a 37-block pool."""
+    model, state, fns = setup
+    kv = KVLayout.for_model(model.config, num_blocks=37, block_size=BLOCK).allocate()
+    i32 = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
+    if kind == "decode":
+        lowered = fns.decode.lower(state, kv, i32(width), i32(width), i32(width, MAX_PAGES),
+                                   i32(width))
+    else:
+        lowered = fns.prefill.lower(state, kv, i32(width), jnp.int32(0), jnp.int32(1),
+                                    i32(MAX_PAGES))
+    return lowered.compile().as_text()
+
+
 @pytest.mark.parametrize("kind,width", [("decode", 1), ("decode", 3), ("prefill", 1),
                                         ("prefill", 16)])
 def test_steps_update_the_pool_in_place(setup, kind, width):
@@ -140,17 +155,7 @@ def test_steps_update_the_pool_in_place(setup, kind, width):
     (A one-row scatter used to become a dynamic-update-slice that XLA:CPU could not
     do in place, copying every layer's pool on every step.)
     """
-    model, state, fns = setup
-    layout = KVLayout.for_model(model.config, num_blocks=37, block_size=BLOCK)
-    kv = layout.allocate()
-    i32 = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
-    if kind == "decode":
-        lowered = fns.decode.lower(state, kv, i32(width), i32(width), i32(width, MAX_PAGES),
-                                   i32(width))
-    else:
-        lowered = fns.prefill.lower(state, kv, i32(width), jnp.int32(0), jnp.int32(1),
-                                    i32(MAX_PAGES))
-    hlo = lowered.compile().as_text()
+    hlo = _compiled_step(setup, kind, width)
     pool = rf"f32\[(37,{BLOCK}|{37 * BLOCK}),"
     copies = [line for line in hlo.splitlines() if re.search(pool + r".* copy\(", line)]
     assert not copies, "\n".join(copies[:4])
@@ -163,17 +168,8 @@ def test_steps_compute_the_rope_angles_once(setup, kind):
     (XLA:CPU fused them into every layer's rope and evaluated them per element of q
     and k: 1 ms of an 8-slot SmolLM2 decode step.)
     """
-    model, state, fns = setup
-    layout = KVLayout.for_model(model.config, num_blocks=37, block_size=BLOCK)
-    kv = layout.allocate()
-    i32 = lambda *s: jnp.zeros(s, jnp.int32)  # noqa: E731
-    if kind == "decode":
-        lowered = fns.decode.lower(state, kv, i32(4), i32(4), i32(4, MAX_PAGES), i32(4))
-    else:
-        lowered = fns.prefill.lower(state, kv, i32(16), jnp.int32(0), jnp.int32(1),
-                                    i32(MAX_PAGES))
-    hlo = lowered.compile().as_text()
-    assert model.config.num_layers > 1
+    hlo = _compiled_step(setup, kind, 4 if kind == "decode" else 16)
+    assert setup[0].config.num_layers > 1
     assert len(re.findall(r" cosine\(", hlo)) == 1
     assert len(re.findall(r" sine\(", hlo)) == 1
 
