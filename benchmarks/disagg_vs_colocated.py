@@ -307,6 +307,51 @@ def probe(address: str, slots: int, pids: list[int] | None = None,
         target.client.close()
 
 
+def overload_workload(spec: dict, slots: int) -> bench.Workload:
+    """The overload probe's requests: the workload's lengths arriving at the top of its
+    grid (above both deployments' knees) for at least 2 s and 4 full batches, on a seed
+    the sweeps never draw."""
+    kind, a, b = spec["prompt"]
+    top = max(spec["rates"])
+    return bench.Workload(requests=max(4 * slots, int(np.ceil(2 * top))), rate=float(top),
+                          prompt=bench.Lengths(kind, a, b),
+                          output=bench.Lengths("fixed", spec["output"]), seed=OVERLOAD_SEED,
+                          warmup=0)
+
+
+OVERLOAD_SEED = 4242
+
+
+def overload_summary(records: list[bench.Record]) -> dict:
+    """Throughput while overloaded (requests over the span from the first arrival to the
+    last finish) and the median TPOT: the same figures of a simulated run are comparable."""
+    span = max(r.arrival + r.e2e for r in records) - min(r.arrival for r in records)
+    tpots = [r.tpot for r in records if r.tpot is not None]
+    return {"requests": len(records), "throughput_rps": len(records) / span,
+            "tpot_p50_s": statistics.median(tpots) if tpots else None,
+            "failed": sum(r.status != "ok" for r in records)}
+
+
+def overload(address: str, spec: dict, slots: int) -> dict:
+    """The served system at sustained overload, probed before and after the repeats: a
+    drift check on the machine (its second core is shared) and a test of the simulator
+    outside the lone and one-batch cases its overheads are fitted on; nothing is fitted
+    to it."""
+    target = bench.ServerTarget(address)
+    try:
+        out = overload_summary(bench.run(target, overload_workload(spec, slots)))
+    finally:
+        target.client.close()
+    return {**out, "at": time.strftime("%H:%M:%S")}
+
+
+def overload_both(d_addr: str, c_addr: str, spec: dict, slots: int) -> dict:
+    out = {name: overload(address, spec, slots)
+           for name, address in (("disaggregated", d_addr), ("colocated", c_addr))}
+    log(f"overload probe: {out}")
+    return out
+
+
 def request_cpu(target, pids: list[int], prefill_pids: list[int] | None = None,
                 n: int = 30) -> dict:
     """CPU time the processes spend per lone short request (PROBE_SHORT tokens in, 2
@@ -472,7 +517,8 @@ def request_cores(name: str) -> float:
 
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
               disagg_path: str, colocated_path: str, probes: dict,
-              pull_hold_s: float = 0.0) -> tuple[dict, dict]:
+              pull_hold_s: float = 0.0, overload_slots: int | None = None
+              ) -> tuple[dict, dict]:
     """The same seeds and rates through the simulator: step costs (and the pinned
     pools' contention) from the calibration files, the transfer's bytes from the
     fabric table's loopback row, and the overheads the probes measured (see `probe`):
@@ -585,13 +631,16 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
                            "contended": contended if name == "disaggregated" else {}}
+        fitted = system(it, token, admit, pull, base, handoff, req, preq)
+        if overload_slots:  # the overload probe's requests, simulated (nothing fitted)
+            overheads[name]["overload_simulated"] = overload_summary(sim.simulate(
+                fitted, sim.plan_of(overload_workload(spec, overload_slots))))
         runs = []
         for seed in seeds:
             run = {}
             for k, rate in enumerate(rates):
                 wl = workload(spec, rate_seed(seed, k), rate)
-                records = sim.simulate(system(it, token, admit, pull, base, handoff, req, preq),
-                                       sim.plan_of(wl))
+                records = sim.simulate(fitted, sim.plan_of(wl))
                 run[str(float(rate))] = {"summary": bench.summarize(records, slo),
                                          "requests": per_request(records, slo)}
             runs.append(run)
@@ -631,6 +680,8 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
     runs = {"disaggregated": [], "colocated": []}
     slots = load_config(str(ROOT / disagg)).decode.max_slots
     probes = None
+    overload_slots = max(slots, best[1])
+    overloads = {"slots": overload_slots}
     for seed in range(repeats):
         # Fresh servers for every repeat unless asked otherwise: one start of the same
         # launch config served tiny short prompts at TPOT p50 1.6-2.4 ms and another at
@@ -646,11 +697,14 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
                                                  prefill_core_pids(launch)),
                           "colocated": probe(c_addr, best[1], decode_core_pids(serve))}
                 log(f"probes: {probes}")
+                overloads["before"] = overload_both(d_addr, c_addr, spec, overload_slots)
             order = [("disaggregated", d_addr), ("colocated", c_addr)]
             for name, address in order if seed % 2 == 0 else order[::-1]:
                 log(f"{model}/{kind} repeat {seed}: {name}")
                 runs[name].append(sweep(address, spec, seed, spec["rates"]))
                 log(f"  goodput rate {goodput_of(runs[name][-1])}")
+            if seed == repeats - 1:
+                overloads["after"] = overload_both(d_addr, c_addr, spec, overload_slots)
         except BaseException:
             stop(launch)
             stop(serve)
@@ -661,7 +715,8 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
     raw = RESULTS / f"goodput_{model}_{kind}.runs.json"  # before any analysis can fail
     raw.write_text(json.dumps({"runs": runs, "tuning": tuning, "best": best,
                                "tuning_slo_use_p90": headroom, "spec": spec,
-                               "probes": probes, "repeats": repeats, "calibration": calib,
+                               "probes": probes, "overload": overloads,
+                               "repeats": repeats, "calibration": calib,
                                "servers_restarted_per_repeat": restart,
                                "pull_hold_s": load_config(str(ROOT / disagg)).transfer.pull_hold_s,
                                "date": time.strftime("%Y-%m-%d %H:%M")}))
@@ -697,8 +752,10 @@ def analyse(model: str, kind: str) -> dict:
     stats = {name: bootstrap(r) for name, r in runs.items()}
     # Runs saved before the engine held its prefill for pulls have no hold recorded.
     hold = raw.get("pull_hold_s", 0.0)
+    overloads = raw.get("overload")  # runs since 2026-12-07 probe it before and after
     predicted, overheads = simulated(model, spec, seeds, spec["rates"], calib, disagg,
-                                     colocated, probes, hold)
+                                     colocated, probes, hold,
+                                     overloads["slots"] if overloads else None)
     return {"model": model, "workload": kind, "spec": spec, "repeats": repeats,
             "colocated": {"chunk_size": best[0], "max_slots": best[1], "tuning": tuning,
                           "tuning_slo_use_p90": raw.get("tuning_slo_use_p90", {})},
@@ -707,6 +764,7 @@ def analyse(model: str, kind: str) -> dict:
             "simulated": predicted,
             "simulated_goodput": {n: bootstrap(r) for n, r in predicted.items()},
             "calibration": calib, "probes": probes, "overheads": overheads,
+            "overload": overloads,
             "date": raw["date"],
             "machine": f"{platform.node()}, {os.cpu_count()} cores, {platform.machine()}"}
 
@@ -821,6 +879,29 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
     return ", ".join(parts)
 
 
+def _overload_note(res: dict) -> list[str]:
+    """The overload probe before and after the repeats against its simulation."""
+    ov = res.get("overload")
+    if not ov or "before" not in ov:
+        return []
+    wl = overload_workload(res["spec"], ov["slots"])
+
+    def fig(o):
+        tpot = "-" if o["tpot_p50_s"] is None else f"{o['tpot_p50_s'] * 1e3:.1f}"
+        return f"{o['throughput_rps']:.1f} req/s (TPOT p50 {tpot} ms)"
+
+    parts = []
+    for name in ("disaggregated", "colocated"):
+        seen = [fig(ov[when][name]) + f" at {ov[when][name]['at'][:5]}"
+                for when in ("before", "after") if when in ov]
+        simulated = res["overheads"][name].get("overload_simulated")
+        parts.append(f"{name} {' then '.join(seen)}"
+                     + (f", simulated {fig(simulated)}" if simulated else ""))
+    return [f"- Overload probe ({wl.requests} requests at {wl.rate:g} req/s, the workload's "
+            "lengths, before and after the repeats; a drift check, fitted to nothing): "
+            + "; ".join(parts) + "."]
+
+
 def render(results: list[dict]) -> str:
     out = ["# Disaggregated against colocated: repeated goodput experiments on a 2-core CPU",
            "",
@@ -880,6 +961,7 @@ def render(results: list[dict]) -> str:
                 "the simulated probe equals the measured one: "
                 + "; ".join(_overheads(n, res["probes"][n], o)
                             for n, o in res["overheads"].items()) + ".",
+                *_overload_note(res),
                 "", _within(res, 0.2),
                 "", "Measured (median over repeats) against simulated (same seeds), per rate:",
                 "", "| rate | deployment | TTFT p50 ms meas / sim | TTFT p99 | TPOT p50 | "
