@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -345,6 +346,58 @@ def overload(address: str, spec: dict, slots: int) -> dict:
     return {**out, "at": time.strftime("%H:%M:%S")}
 
 
+LOADED_CLIENTS = 4
+
+
+def loaded_gap(address: str, spec: dict, n: int = 8) -> dict:
+    """A lone short request's inter-token gap while the prefill core is kept busy by
+    served prompts of the workload's lengths (LOADED_CLIENTS closed-loop clients, 2
+    tokens out each, fresh prompts so the prefix cache never hits), with the gap of the
+    same requests idle beside it: the disaggregated decode loop's slowdown while its
+    neighbour prefills, as served (the calibration's `--busy` load runs a bare program,
+    and the decode program alone under it slowed by x1.00 on tiny, 2026-12-07)."""
+    kind, a, b = spec["prompt"]
+    fg, bg = bench.ServerTarget(address), bench.ServerTarget(address)
+    stop_bg, done = threading.Event(), []
+
+    def background(k):
+        rng = np.random.default_rng(7000 + k)
+        while not stop_bg.is_set():
+            length = int(bench.Lengths(kind, a, b).draw(rng, 1)[0])
+            bg.run_one(rng.integers(3, 250, length).tolist(), 2, bench.Record(length, 0.0))
+            done.append(length)
+
+    def gap(offset):
+        gaps = []
+        for i in range(n):
+            rec = bench.Record(PROBE_SHORT, 0.0)
+            prompt = np.random.default_rng(offset + i).integers(3, 250, PROBE_SHORT).tolist()
+            fg.run_one(prompt, 64, rec)
+            gaps += rec.itl[8:56]
+        return statistics.median(gaps)
+
+    try:
+        gap(8000)  # warm
+        idle = gap(8100)
+        threads = [threading.Thread(target=background, args=(k,), daemon=True)
+                   for k in range(LOADED_CLIENTS)]
+        for th in threads:
+            th.start()
+        time.sleep(0.3)
+        t0 = time.perf_counter()
+        start = len(done)
+        loaded = gap(8200)
+        rate = (len(done) - start) / (time.perf_counter() - t0)
+        stop_bg.set()
+        for th in threads:
+            th.join()
+    finally:
+        fg.client.close()
+        bg.client.close()
+    return {"idle_itl_s": idle, "loaded_itl_s": loaded, "background_rps": rate,
+            "background_prompt": statistics.mean(done) if done else None}
+
+
 def overload_both(d_addr: str, c_addr: str, spec: dict, slots: int) -> dict:
     out = {name: overload(address, spec, slots)
            for name, address in (("disaggregated", d_addr), ("colocated", c_addr))}
@@ -418,6 +471,22 @@ def reprobe_prefill_cpu(model: str, kind: str) -> None:
     log(f"prefill CPU per lone request: {cpu}")
     raw["probes"]["disaggregated"]["prefill_cpu_s"] = cpu["prefill_cpu_s"]
     raw["probes"]["disaggregated"]["prefill_cpu_probed"] = time.strftime("%Y-%m-%d %H:%M")
+    path.write_text(json.dumps(raw))
+
+
+def reprobe_loaded_gap(model: str, kind: str) -> None:
+    """Adds the loaded-gap probe (`loaded_gap`) to saved runs' disaggregated probes."""
+    path = RESULTS / f"goodput_{model}_{kind}.runs.json"
+    raw = json.loads(path.read_text())
+    proc, address = start("launch", "--config", str(ROOT / EXPERIMENTS[model]["config"]),
+                          "--port", "0")
+    try:
+        loaded = loaded_gap(address, raw["spec"])
+    finally:
+        stop(proc)
+    log(f"loaded gap: {loaded}")
+    raw["probes"]["disaggregated"]["loaded"] = {**loaded,
+                                                "probed": time.strftime("%Y-%m-%d %H:%M")}
     path.write_text(json.dumps(raw))
 
 
@@ -515,6 +584,35 @@ def request_cores(name: str) -> float:
     return float(os.cpu_count() or 1) if name == "colocated" else 0.0
 
 
+def loaded_gap_simulated(system, spec: dict, measured: dict) -> float:
+    """`loaded_gap` through the simulator: the background prompts arriving at the rate
+    the probe measured, the probe's lone requests one after another among them."""
+    kind, a, b = spec["prompt"]
+    rng = np.random.default_rng(0)
+    n_fg, spacing, warm = 8, 0.1, 0.3
+    span = warm + n_fg * spacing
+    rate = max(measured["background_rps"], 1e-3)
+    arrivals = np.cumsum(rng.exponential(1 / rate, int(rate * span * 2) + 1))
+    arrivals = arrivals[arrivals < span]
+    plan = [(float(t), int(n), 2) for t, n in zip(
+        arrivals, bench.Lengths(kind, a, b).draw(rng, len(arrivals)), strict=True)]
+    fg = [(warm + i * spacing, PROBE_SHORT, 64) for i in range(n_fg)]
+    records = sim.simulate(system, plan + fg)
+    return statistics.median(g for r in records[len(plan):] for g in r.itl[8:56])
+
+
+def fit_increasing(f, target: float, lo: float, hi: float, steps: int = 30) -> float:
+    """x in [lo, hi] with f(x) = target for f increasing in x (a bound if none)."""
+    if f(lo) >= target:
+        return lo
+    if f(hi) <= target:
+        return hi
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if f(mid) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
 def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
               disagg_path: str, colocated_path: str, probes: dict,
               pull_hold_s: float = 0.0, overload_slots: int | None = None
@@ -538,7 +636,7 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
     out, overheads = {}, {}
     for name, cfg in configs.items():
         def system(it=0.0, token=0.0, admit=0.0, pull=0.0, base=0.0, handoff=0.0, req=0.0,
-                   preq=0.0, cfg=cfg, name=name):
+                   preq=0.0, cont=None, cfg=cfg, name=name):
             # pull: the cross-process pull's time per prompt token beyond the fabric
             # table's bandwidth, and base its fixed part (the decode thread waits for
             # both); handoff: the offer's way to the decode process (delays only it)
@@ -549,8 +647,8 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
             transfer = sim.Transfer(m.kv_bytes_per_token, m.kv_bytes_per_token / per_token,
                                     base_s=base, blocking=True, latency_s=handoff,
                                     stalled_by_prefill=True, pull_hold_s=pull_hold_s)
-            return sim.system_from_config(cfg, costs, transfer, it, token, admit, contended,
-                                          req, preq, request_cores(name))
+            return sim.system_from_config(cfg, costs, transfer, it, token, admit,
+                                          cont or contended, req, preq, request_cores(name))
 
         def gap(n, **kw):
             batch = [(0.0, 16, 64)] * n
@@ -631,7 +729,24 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
                            "contended": contended if name == "disaggregated" else {}}
-        fitted = system(it, token, admit, pull, base, handoff, req, preq)
+        cont = None
+        if name == "disaggregated" and pr.get("loaded"):
+            # The decode pool's slowdown while the prefill works, fitted so that the
+            # simulated loaded-gap probe equals the measured one (in place of the bare
+            # program's `--busy` figure): it then carries the host work's slowdown too.
+            kw = dict(it=it, token=token, admit=admit, pull=pull, base=base,
+                      handoff=handoff, req=req, preq=preq)
+
+            def loaded(c, kw=kw, probe=pr["loaded"]):
+                return loaded_gap_simulated(system(**kw, cont={**contended, "decode": c}),
+                                            spec, probe)
+            c = fit_increasing(loaded, pr["loaded"]["loaded_itl_s"], 1.0, 4.0)
+            cont = {**contended, "decode": c}
+            overheads[name].update({"contended": cont, "loaded_fit": {
+                "decode_contention": c, "busy_contention": contended.get("decode", 1.0),
+                "measured_s": pr["loaded"]["loaded_itl_s"], "simulated_s": loaded(c),
+                "at_busy_s": loaded(contended.get("decode", 1.0))}})
+        fitted = system(it, token, admit, pull, base, handoff, req, preq, cont)
         if overload_slots:  # the overload probe's requests, simulated (nothing fitted)
             overheads[name]["overload_simulated"] = overload_summary(sim.simulate(
                 fitted, sim.plan_of(overload_workload(spec, overload_slots))))
@@ -696,6 +811,7 @@ def experiment(model: str, kind: str, repeats: int, tune: bool, restart: bool = 
                 probes = {"disaggregated": probe(d_addr, slots, decode_core_pids(launch),
                                                  prefill_core_pids(launch)),
                           "colocated": probe(c_addr, best[1], decode_core_pids(serve))}
+                probes["disaggregated"]["loaded"] = loaded_gap(d_addr, spec)
                 log(f"probes: {probes}")
                 overloads["before"] = overload_both(d_addr, c_addr, spec, overload_slots)
             order = [("disaggregated", d_addr), ("colocated", c_addr)]
@@ -876,6 +992,13 @@ def _overheads(name: str, pr: dict, o: dict) -> str:
                     if "pull_s_per_token" in o else
                     f" and {o['transfer_latency_s'] * ms:.1f} ms of latency per transfer"
                     if name == "disaggregated" else ""))
+    if (lf := o.get("loaded_fit")) and (ld := pr.get("loaded")):
+        parts.append(f"a lone request's gap {ld['loaded_itl_s'] * ms:.2f} ms while the prefill "
+                     f"core served {ld['background_rps']:.1f} req/s of the workload's prompts "
+                     f"({ld['idle_itl_s'] * ms:.2f} ms idle just before), so the decode steps "
+                     f"slow x{lf['decode_contention']:.2f} while the prefill works (fitted; the "
+                     f"bare program under `--busy`: x{lf['busy_contention']:.2f}, which "
+                     f"simulates that gap as {lf['at_busy_s'] * ms:.2f} ms)")
     return ", ".join(parts)
 
 
@@ -997,9 +1120,11 @@ def main() -> int:
     p.add_argument("--report", action="store_true", help="only rewrite the report")
     p.add_argument("--analyse", action="store_true",
                    help="redo the statistics and the simulation from the saved raw runs")
-    p.add_argument("--reprobe", nargs="?", const="all", choices=("all", "prefill-cpu"),
+    p.add_argument("--reprobe", nargs="?", const="all",
+                   choices=("all", "prefill-cpu", "loaded-gap"),
                    help="with --analyse: probe both deployments' overheads again first "
-                        "(prefill-cpu: only add the prefill process's CPU per request)")
+                        "(prefill-cpu: only add the prefill process's CPU per request; "
+                        "loaded-gap: only add the decode gap under served prefill load)")
     p.add_argument("--recalibrate", action="store_true",
                    help="with --analyse: measure the step costs again first")
     p.add_argument("--pools", nargs="+", choices=POOLS, default=POOLS,
@@ -1015,6 +1140,8 @@ def main() -> int:
                 reprobe(args.model, kind)
             elif args.analyse and args.reprobe == "prefill-cpu":
                 reprobe_prefill_cpu(args.model, kind)
+            elif args.analyse and args.reprobe == "loaded-gap":
+                reprobe_loaded_gap(args.model, kind)
             res = (analyse(args.model, kind) if args.analyse else
                    experiment(args.model, kind, args.repeats, not args.no_tune,
                               not args.keep_servers))
