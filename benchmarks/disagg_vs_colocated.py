@@ -308,6 +308,9 @@ def probe(address: str, slots: int, pids: list[int] | None = None,
         target.client.close()
 
 
+OVERLOAD_SEED = 4242
+
+
 def overload_workload(spec: dict, slots: int) -> bench.Workload:
     """The overload probe's requests: the workload's lengths arriving at the top of its
     grid (above both deployments' knees) for at least 2 s and 4 full batches, on a seed
@@ -318,9 +321,6 @@ def overload_workload(spec: dict, slots: int) -> bench.Workload:
                           prompt=bench.Lengths(kind, a, b),
                           output=bench.Lengths("fixed", spec["output"]), seed=OVERLOAD_SEED,
                           warmup=0)
-
-
-OVERLOAD_SEED = 4242
 
 
 def overload_summary(records: list[bench.Record]) -> dict:
@@ -454,40 +454,42 @@ def reprobe(model: str, kind: str) -> None:
     path.write_text(json.dumps(raw))
 
 
-def reprobe_prefill_cpu(model: str, kind: str) -> None:
-    """Adds the prefill process's CPU per lone short request to saved runs' probes,
-    keeping every other probe as it was measured (a newer probe's other terms would
-    carry the machine's drift since)."""
+def _add_disaggregated_probe(model: str, kind: str, measure) -> None:
+    """Runs `measure(proc, address, raw)` on a fresh `launch` of the experiment's config
+    and merges the dict it returns into the saved runs' disaggregated probes, keeping
+    every other probe as it was measured (a newer probe's other terms would carry the
+    machine's drift since)."""
     path = RESULTS / f"goodput_{model}_{kind}.runs.json"
     raw = json.loads(path.read_text())
     proc, address = start("launch", "--config", str(ROOT / EXPERIMENTS[model]["config"]),
                           "--port", "0")
-    target = bench.ServerTarget(address)
     try:
-        cpu = request_cpu(target, decode_core_pids(proc), prefill_core_pids(proc))
+        added = measure(proc, address, raw)
     finally:
-        target.client.close()
         stop(proc)
-    log(f"prefill CPU per lone request: {cpu}")
-    raw["probes"]["disaggregated"]["prefill_cpu_s"] = cpu["prefill_cpu_s"]
-    raw["probes"]["disaggregated"]["prefill_cpu_probed"] = time.strftime("%Y-%m-%d %H:%M")
+    log(f"added to the disaggregated probes: {added}")
+    raw["probes"]["disaggregated"].update(added)
     path.write_text(json.dumps(raw))
+
+
+def reprobe_prefill_cpu(model: str, kind: str) -> None:
+    """Adds the prefill process's CPU per lone short request to saved runs' probes."""
+    def measure(proc, address, raw):
+        target = bench.ServerTarget(address)
+        try:
+            cpu = request_cpu(target, decode_core_pids(proc), prefill_core_pids(proc))
+        finally:
+            target.client.close()
+        return {"prefill_cpu_s": cpu["prefill_cpu_s"],
+                "prefill_cpu_probed": time.strftime("%Y-%m-%d %H:%M")}
+
+    _add_disaggregated_probe(model, kind, measure)
 
 
 def reprobe_loaded_gap(model: str, kind: str) -> None:
     """Adds the loaded-gap probe (`loaded_gap`) to saved runs' disaggregated probes."""
-    path = RESULTS / f"goodput_{model}_{kind}.runs.json"
-    raw = json.loads(path.read_text())
-    proc, address = start("launch", "--config", str(ROOT / EXPERIMENTS[model]["config"]),
-                          "--port", "0")
-    try:
-        loaded = loaded_gap(address, raw["spec"])
-    finally:
-        stop(proc)
-    log(f"loaded gap: {loaded}")
-    raw["probes"]["disaggregated"]["loaded"] = {**loaded,
-                                                "probed": time.strftime("%Y-%m-%d %H:%M")}
-    path.write_text(json.dumps(raw))
+    _add_disaggregated_probe(model, kind, lambda proc, address, raw: {"loaded": {
+        **loaded_gap(address, raw["spec"]), "probed": time.strftime("%Y-%m-%d %H:%M")}})
 
 
 def slo_use_p90(run: dict, slo: bench.SLO) -> float:
@@ -717,12 +719,12 @@ def simulated(model: str, spec: dict, seeds, rates, calib: dict[str, str],
                            "calibrated_lone_itl_s": itl_lone,
                            "calibrated_idle_ttft_s": long_ttft,
                            "contended": contended if name == "disaggregated" else {}}
+        fitted = system(it, token, admit, pull, base, handoff, req, preq)
         if name == "disaggregated" and pr.get("loaded"):
             # The loaded-gap probe, simulated (fitted to nothing: fitting the decode
             # pool's contention to it did not hold up on a fresh run, BENCHMARKS.md).
-            overheads[name]["loaded_simulated_s"] = loaded_gap_simulated(
-                system(it, token, admit, pull, base, handoff, req, preq), spec, pr["loaded"])
-        fitted = system(it, token, admit, pull, base, handoff, req, preq)
+            overheads[name]["loaded_simulated_s"] = loaded_gap_simulated(fitted, spec,
+                                                                         pr["loaded"])
         if overload_slots:  # the overload probe's requests, simulated (nothing fitted)
             overheads[name]["overload_simulated"] = overload_summary(sim.simulate(
                 fitted, sim.plan_of(overload_workload(spec, overload_slots))))
