@@ -127,10 +127,11 @@ def serving_configs() -> dict[str, DeploymentConfig]:
     return {
         "disaggregated": disagg,
         # The same with the decode batching window: while fewer rows are busy than all
-        # the requests routed to it, decode holds a step up to 0.5 s, so the two pools do
-        # not both want the two cores while the prompts are prefilled.
+        # the requests routed to it, decode holds a step up to 0.2 s, so the two pools do
+        # not both want the two cores while the prompts are prefilled. 0.2 s bought as
+        # much throughput as 0.5 s at half the TBT p99 (benchmarks/decode_window.py).
         "disaggregated, window": dataclasses.replace(disagg, decode=dataclasses.replace(
-            disagg.decode, decode_min_batch=SERVE_REQUESTS, decode_wait_s=0.5)),
+            disagg.decode, decode_min_batch=SERVE_REQUESTS, decode_wait_s=0.2)),
         "colocated": DeploymentConfig(mode="colocated", model=model,
                                       colocated=dataclasses.replace(pool, devices=[0])),
     }
@@ -271,7 +272,7 @@ class LlamaCppBatched:
     def __init__(self, lcpp: LlamaCpp, n_seq: int = SERVE_REQUESTS):
         import llama_cpp
 
-        self.c = llama_cpp
+        self.c, self.lcpp = llama_cpp, lcpp  # lcpp owns the model: it must outlive ctx
         self.n_vocab = lcpp.m.n_vocab()
         p = llama_cpp.llama_context_default_params()
         p.n_seq_max, p.kv_unified = n_seq, False
@@ -386,6 +387,15 @@ def fmt(s):
     return f"{g(s['median'])} [{g(s['min'])}-{g(s['max'])}]"
 
 
+def ggufs() -> tuple[Path, Path]:
+    """SmolLM2's GGUF (fetched once) and the F32 GGUF llama.cpp reads, written from it."""
+    gguf = fetch("smollm2", quiet=True)
+    f32 = Path(tempfile.gettempdir()) / "jaxdisagg-smollm2-f32.gguf"
+    if not f32.exists():
+        write_f32_gguf(gguf, f32)
+    return gguf, f32
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -397,10 +407,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="benchmarks/results/peers.json")
     args = p.parse_args(argv)
 
-    gguf = fetch("smollm2", quiet=True)
-    f32 = Path(tempfile.gettempdir()) / "jaxdisagg-smollm2-f32.gguf"
-    if not f32.exists():
-        write_f32_gguf(gguf, f32)
+    gguf, f32 = ggufs()
     model, tok = load_model(str(gguf), jnp.float32)
     ours, hf = Ours(model), HF(gguf)
     lcpp = {"default": LlamaCpp(f32, fp32=False), "fp32": LlamaCpp(f32, fp32=True)}
