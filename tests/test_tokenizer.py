@@ -91,6 +91,21 @@ def test_incremental_decoder_streams_exactly_the_whole_decode(text, flush_late):
     assert out == tok.decode(ids)
 
 
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 383), st.sampled_from(list("é漢🙂".encode()))),
+                max_size=80))
+def test_incremental_decoder_on_bytes_that_never_decode(ids):
+    """Any id stream (invalid UTF-8, lone continuation bytes, specials, as a random
+    model emits, mixed with the bytes of real multi-byte characters): the deltas add
+    up to the whole decode, and the window stays a few ids long instead of growing
+    with the output."""
+    counting = _Counting(ByteTokenizer(384))
+    dec = IncrementalDecoder(counting)
+    out = "".join(dec.push(i) for i in ids) + dec.flush()
+    assert out == counting.tok.decode(ids)
+    assert max(counting.sizes, default=0) <= 2 * IncrementalDecoder.HOLD
+
+
 def test_incremental_decoder_holds_a_split_character_then_releases_it():
     tok = ByteTokenizer(384)
     a, b = "é".encode()

@@ -183,7 +183,16 @@ class IncrementalDecoder:
     tokenizers that drop a leading space on the first token of a decode from dropping
     it here. A window ending in U+FFFD is held back: a multi-byte character is usually
     still incomplete, and the offsets only move on once it decodes cleanly.
+
+    Bytes that never decode (a random model's, or a broken byte-fallback run) would
+    hold the window open for good and make every token cost O(output). So once more
+    than `HOLD` ids are pending, all but the last `KEEP` are released: no character
+    completed in the pending run (each push saw it end in U+FFFD or add no text), and
+    one still being completed spans at most its last 3 ids (UTF-8 has <= 4 bytes a
+    character, an id at least 1), so the cut splits none that will decode.
     """
+
+    HOLD, KEEP = 8, 3
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
@@ -196,7 +205,12 @@ class IncrementalDecoder:
         done = self.tokenizer.decode(self.ids[self.prefix:self.read])
         text = self.tokenizer.decode(self.ids[self.prefix:])
         if len(text) <= len(done) or text.endswith("\ufffd"):
-            return ""
+            if len(self.ids) - self.read <= self.HOLD:
+                return ""
+            cut = len(self.ids) - self.KEEP
+            text = self.tokenizer.decode(self.ids[self.prefix:cut])
+            self.prefix, self.read = self.read, cut
+            return text[len(done):]
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
 

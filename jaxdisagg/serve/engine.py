@@ -134,7 +134,7 @@ class Engine:
         self.eos_ids = frozenset(deployment.model.config.eos_token_ids)
         self._lock = threading.Lock()
         self._live: dict[str, _Request] = {}  # in flight
-        self._results: dict[str, queue.Queue] = {}  # submitted, result not yet taken
+        self._results: dict[str, queue.SimpleQueue] = {}  # submitted, result not yet taken
         self._cancelled: set[str] = set()
         self._uncollected: deque[tuple[float, str]] = deque()  # (finished at, id)
         self._recent: deque[Result] = deque(maxlen=1024)
@@ -243,8 +243,10 @@ class Engine:
             request_id = request_id or new_request_id()
             if request_id in self._results or request_id in self._live:
                 raise ValueError(f"request_id: {request_id!r} is already in use")
-            results: queue.Queue = queue.Queue()
-            req = _Request(request_id, ids, params, stops, _sink or results.put,
+            results: queue.SimpleQueue = queue.SimpleQueue()
+            # result() waits for the end only: a token event would be work for nothing.
+            keep = _sink or (lambda event: event[0] == "done" and results.put(event))
+            req = _Request(request_id, ids, params, stops, keep,
                            IncrementalDecoder(self.tokenizer) if self.tokenizer else None)
             req.marks["arrival"] = req.arrival
             self._live[request_id] = req
@@ -286,7 +288,7 @@ class Engine:
         character) is held back; a final (None, text) pair flushes it at the end.
         The generator returns the request's Result (StopIteration.value).
         """
-        events: queue.Queue = queue.Queue()
+        events: queue.SimpleQueue = queue.SimpleQueue()
         rid = self.submit(prompt, params, _sink=events.put, **kwargs)
         finished = False
         try:
@@ -325,8 +327,8 @@ class Engine:
 
     # ------------------------------------------------------------ the Listener side
 
-    def token(self, request_id: str, token: int, logprob: float) -> None:
-        self._emit(self._handle_token, request_id, token, logprob, time.perf_counter())
+    def tokens(self, items: list[tuple[str, int, float]]) -> None:
+        self._emit(self._handle_tokens, items, time.perf_counter())
 
     def finish(self, request_id: str, tokens: list[int], reason: str,
                cached_tokens: int = 0) -> None:
@@ -349,6 +351,13 @@ class Engine:
                 fn(*args)
             except Exception:  # noqa: BLE001 - one request's output must not stop the rest
                 log.exception("output of %s failed", args[0])
+
+    def _handle_tokens(self, items: list[tuple[str, int, float]], now: float) -> None:
+        for request_id, token, logprob in items:
+            try:
+                self._handle_token(request_id, token, logprob, now)
+            except Exception:  # noqa: BLE001 - one request's output must not stop the rest
+                log.exception("output of %s failed", request_id)
 
     def _handle_token(self, request_id: str, token: int, logprob: float, now: float) -> None:
         req = self._live.get(request_id)

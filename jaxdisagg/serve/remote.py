@@ -181,11 +181,13 @@ class PrefillService:
             pending.done.set()
 
     # Listener (called by the worker thread)
-    def token(self, request_id, token, logprob) -> None:
-        with self._lock:
-            pending = self._pending.get(request_id)
-        if pending is not None:
-            pending.marks.setdefault("first_token_at_prefill", time.perf_counter())
+    def tokens(self, items) -> None:
+        now = time.perf_counter()
+        for request_id, _, _ in items:
+            with self._lock:
+                pending = self._pending.get(request_id)
+            if pending is not None:
+                pending.marks.setdefault("first_token_at_prefill", now)
 
     def mark(self, request_id, event, at=None, **info) -> None:
         with self._lock:
@@ -350,7 +352,7 @@ class RemotePrefill:
                 self.listener.mark(rid, event, sent + offset)
         if "finished" in reply:
             if reply["tokens"] and reply["finished"] != "cancelled":
-                self.listener.token(rid, reply["tokens"][0], 0.0)
+                self.listener.tokens([(rid, reply["tokens"][0], 0.0)])
             self.listener.finish(rid, reply["tokens"], reply["finished"],
                                  reply.get("cached_tokens", 0))
             return

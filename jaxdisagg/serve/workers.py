@@ -58,7 +58,9 @@ log = logging.getLogger(__name__)
 class Listener(Protocol):
     """What workers report to; every method is called from worker threads."""
 
-    def token(self, request_id: str, token: int, logprob: float) -> None: ...
+    def tokens(self, items: list[tuple[str, int, float]]) -> None:
+        """New tokens, (request id, token, logprob) each: a whole decode step's at once,
+        so the consumer takes one hand-off a step, not one a row."""
 
     def mark(self, request_id: str, event: str, at: float | None = None, **info) -> None: ...
 
@@ -215,7 +217,7 @@ class PrefillWorker(_Worker):
                                transfer_bytes=h.nbytes)
         reason = _first_token_ends(job, h.first_token)
         if reason:  # done at its first token: it never needs the decode pool
-            self.listener.token(job.request_id, h.first_token, h.first_logprob)
+            self.listener.tokens([(job.request_id, h.first_token, h.first_logprob)])
         if reason or self.listener.is_cancelled(job.request_id):
             self.listener.finish(job.request_id, [h.first_token],
                                  reason or "cancelled", job.cached_tokens)
@@ -382,7 +384,7 @@ class DecodeWorker(_Worker):
             self.listener.mark(seq.request_id, "decode_insert")
             if fresh:  # the first token surfaces with the request in the decode batch,
                 # so TTFT = prefill + transfer + wait for a slot, and TBT is pure decode
-                self.listener.token(seq.request_id, h.first_token, h.first_logprob)
+                self.listener.tokens([(seq.request_id, h.first_token, h.first_logprob)])
 
     def _transfer_failed(self, h: Handoff, error: Exception) -> None:
         """The KV never arrived: fail the request, or prefill it here (`recompute`)."""
@@ -412,7 +414,7 @@ class DecodeWorker(_Worker):
                 self.listener.mark(job.request_id, "prefill_end", h.done_at)
                 reason = _first_token_ends(job, h.first_token)
                 if reason:
-                    self.listener.token(job.request_id, h.first_token, h.first_logprob)
+                    self.listener.tokens([(job.request_id, h.first_token, h.first_logprob)])
                     self.blocks.register(job.prompt, job.blocks)
                     self.blocks.release(job.blocks)
                     self.listener.finish(job.request_id, [h.first_token], reason,
@@ -455,8 +457,8 @@ class DecodeWorker(_Worker):
         did = self._local_prefill()
         self._admit()
         result = self.decode.read_in_flight() if self._hold() else self.decode.step()
-        for rid, token, logprob in result.tokens:
-            self.listener.token(rid, token, logprob)
+        if result.tokens:
+            self.listener.tokens(result.tokens)
         for seq in result.finished:
             self.listener.finish(seq.request_id, seq.tokens, seq.finish_reason)
         for seq, e in result.failed:
