@@ -37,6 +37,8 @@ from jaxdisagg.model.sampling import SamplingParams, row_params
 from jaxdisagg.serve.faults import failpoint
 from jaxdisagg.serve.kv_cache import BlockManager, OutOfBlocks
 
+ROW_FIELDS = ("seed_lo", "seed_hi", "temperature", "top_k", "top_p")  # fixed per request
+
 
 @dataclass(eq=False)  # identity: two requests are never "equal"
 class Sequence:
@@ -94,6 +96,12 @@ class DecodeScheduler:
         self.overlap = overlap
         self._order = 0
         self._flight: _InFlight | None = None
+        # The persistent batch: each slot's block table and sampling params, written
+        # when a sequence comes, grows a block or goes, not rebuilt every step.
+        b = inst.pool.max_slots
+        self._tables = np.zeros((b, inst.max_pages), np.int32)
+        self._table_len = [0] * b
+        self._params = row_params([None] * b, 0, inst.config.vocab_size)
 
     @property
     def active(self) -> list[Sequence]:
@@ -127,11 +135,20 @@ class DecodeScheduler:
         self._order += 1
         seq.admitted_order = self._order
         self.slots[slot] = seq
+        self._set_row(slot, seq.params)
         return slot
+
+    def _set_row(self, slot: int, params: SamplingParams | None) -> None:
+        """The slot's sampling params in the persistent batch (None: an empty row)."""
+        one = row_params([params], 0, self.inst.config.vocab_size)
+        for k in ROW_FIELDS:
+            getattr(self._params, k)[slot] = getattr(one, k)[0]
+        self._tables[slot], self._table_len[slot] = 0, 0
 
     def _retire(self, slot: int) -> Sequence:
         seq = self.slots[slot]
         self.slots[slot] = None
+        self._set_row(slot, None)
         self.blocks.release(seq.blocks)
         seq.blocks = []
         return seq
@@ -142,28 +159,37 @@ class DecodeScheduler:
                 return self._retire(i)
         return None
 
-    def _ahead(self, seq: Sequence) -> int:
-        """Tokens of seq computed by the step in flight and not read yet (0 or 1)."""
-        return int(self._flight is not None and id(seq) in self._flight.seqs)
+    def _running(self) -> list[tuple[int, Sequence, bool, int]]:
+        """(slot, sequence, ahead, n) for each row the next step computes: `ahead` when
+        the step in flight holds a token of it not read yet, `n` its tokens counting
+        that one. A row whose token in flight is its last by max_tokens is left out."""
+        flight, out = self._flight.seqs if self._flight else (), []
+        for i, seq in enumerate(self.slots):
+            if seq is not None:
+                ahead = id(seq) in flight
+                n = len(seq.tokens) + ahead
+                if n < seq.params.max_tokens:
+                    out.append((i, seq, ahead, n))
+        return out
 
-    def _runs(self, seq: Sequence) -> bool:
-        """Whether the next step computes a token for seq: not when the token in
-        flight is already its last by max_tokens."""
-        return len(seq.tokens) + self._ahead(seq) < seq.params.max_tokens
+    def _growing(self) -> list[tuple[Sequence, int]]:
+        """(sequence, blocks it lacks) for each row that writes past its blocks in the
+        next step: not every step, once a block's worth of tokens."""
+        bs, out = self.blocks.block_size, []
+        for _, seq, _, n in self._running():
+            short = (len(seq.prompt) + n - 1) // bs + 1 - len(seq.blocks)
+            if short > 0:
+                out.append((seq, short))
+        return out
 
-    def _blocks_short(self) -> int:
-        bs = self.blocks.block_size
-        return sum(max(0, (s.last_position + self._ahead(s)) // bs + 1 - len(s.blocks))
-                   for s in self.active if self._runs(s))
-
-    def _ensure_blocks(self, preempted: list[Sequence], failed: list) -> None:
-        """Gives every active sequence a block for the position it writes this step."""
-        bs = self.blocks.block_size
-        for seq in sorted(self.active, key=lambda s: s.admitted_order):
-            while (seq in self.slots and self._runs(seq)
-                   and (seq.last_position + self._ahead(seq)) // bs >= len(seq.blocks)):
+    def _ensure_blocks(self, growing: list, preempted: list[Sequence], failed: list) -> None:
+        """Gives every growing sequence a block for the position it writes this step;
+        the newest sequence is preempted to make room."""
+        for seq, short in sorted(growing, key=lambda g: g[0].admitted_order):
+            while short > 0 and seq in self.slots:
                 try:
                     seq.blocks += self.blocks.allocate(1)
+                    short -= 1
                 except OutOfBlocks:
                     victim = max(self.active, key=lambda s: s.admitted_order)
                     retired = self._retire(self.slots.index(victim))
@@ -179,13 +205,16 @@ class DecodeScheduler:
     def step(self) -> StepResult:
         """Dispatches one decode step for every active row and returns the tokens of
         the step it reads: this one, or with `overlap` the one dispatched before."""
-        if self._flight is not None and self._blocks_short() > self.blocks.num_available:
+        growing = self._growing()
+        if (self._flight is not None
+                and sum(short for _, short in growing) > self.blocks.num_available):
             # Growing would preempt: read the step in flight first, so that a preempted
             # sequence leaves with every token it was computed.
             return self.read_in_flight()
         preempted: list[Sequence] = []
         failed: list[tuple[Sequence, Exception]] = []
-        self._ensure_blocks(preempted, failed)
+        if growing:
+            self._ensure_blocks(growing, preempted, failed)
         launched = self._launch(failed)
         if self.overlap:
             previous, self._flight = self._take_flight(), launched
@@ -205,34 +234,36 @@ class DecodeScheduler:
         return flight
 
     def _launch(self, failed: list) -> _InFlight | None:
-        b, p = len(self.slots), self.inst.max_pages
-        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
+        b = len(self.slots)
+        tokens, positions, lens, steps = (np.zeros(b, np.int32) for _ in range(4))
         carried = np.zeros(b, bool)  # the row's input is the step in flight's token
-        tables = np.zeros((b, p), np.int32)
-        params, steps = [None] * b, [0] * b
+        tables, known = self._tables, self._table_len
         rows = []
-        for i, seq in enumerate(self.slots):
-            if seq is None or not self._runs(seq):
-                continue
+        for i, seq, ahead, n in self._running():
             try:
                 failpoint("decode.row", seq.request_id)
-                tables[i, :len(seq.blocks)] = seq.blocks
+                if len(seq.blocks) != known[i]:  # a block was added since the last step
+                    tables[i, known[i]:len(seq.blocks)] = seq.blocks[known[i]:]
+                    known[i] = len(seq.blocks)
             except Exception as e:  # noqa: BLE001 - this row fails, the batch goes on
-                tables[i] = 0
                 failed.append((self._retire(i), e))
                 continue
-            ahead = self._ahead(seq)
-            carried[i] = ahead > 0
-            tokens[i], positions[i] = seq.tokens[-1], seq.last_position + ahead
-            lens[i] = positions[i] + 1
-            params[i], steps[i] = seq.params, len(seq.tokens) + ahead
+            carried[i] = ahead
+            tokens[i] = seq.tokens[-1]
+            positions[i] = len(seq.prompt) + n - 1
+            steps[i] = n
             rows.append((i, seq))
         if not rows:
             return None
-        new, logprobs = self.inst.decode(tokens, positions, tables, lens,
-                                         row_params(params, steps, self.inst.config.vocab_size),
-                                         previous=self._flight.new if carried.any() else None,
-                                         carried=carried)
+        busy = [i for i, _ in rows]
+        lens[busy] = positions[busy] + 1
+        params = self._params
+        # Copies: the arrays of a step in flight must not change under it.
+        new, logprobs = self.inst.decode(
+            tokens, positions, tables.copy(), lens,
+            params._replace(steps=steps.astype(np.uint32), **{
+                k: getattr(params, k).copy() for k in ROW_FIELDS}),
+            previous=self._flight.new if carried.any() else None, carried=carried)
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
 
     def _read(self, flight: _InFlight | None) -> StepResult:
