@@ -28,6 +28,7 @@ import argparse  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -52,13 +53,23 @@ def windows(new: int) -> dict[str, tuple[int, int]]:
     return {"early": (64, min(192, new // 2)), "late": (new - 128, new)}
 
 
+def thread_cpu_s(prefix: str = "jaxdisagg-") -> float:
+    """CPU seconds used so far by the engine's own threads (its workers and output
+    thread; XLA's compute threads excluded): the host work, immune to wall-clock noise."""
+    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+               for t in threading.enumerate() if t.name.startswith(prefix))
+
+
 def engine_round(engine: Engine, prompts, new: int) -> dict[str, float]:
     params = SamplingParams(max_tokens=new)
+    cpu = thread_cpu_s()
     ids = [engine.submit(p, params, stop_token_ids=[]) for p in prompts]
     results = [engine.result(rid) for rid in ids]
     assert all(len(r.token_ids) == new for r in results)
-    return {name: statistics.median(t for r in results for t in r.tbt_s[lo:hi])
-            for name, (lo, hi) in windows(new).items()}
+    out = {name: statistics.median(t for r in results for t in r.tbt_s[lo:hi])
+           for name, (lo, hi) in windows(new).items()}
+    out["host_cpu"] = (thread_cpu_s() - cpu) / new  # per step: one token for every row
+    return out
 
 
 def bare_round(inst, slots: int, new: int, steps: int = 64) -> dict[str, float]:
@@ -68,7 +79,7 @@ def bare_round(inst, slots: int, new: int, steps: int = 64) -> dict[str, float]:
     # i's pages are i, i + slots, i + 2 * slots, ... (a gather with the same locality).
     tables = np.arange(slots * pages, dtype=np.int32).reshape(pages, slots).T.copy()
     rows = row_params([SamplingParams()] * slots, 1, inst.config.vocab_size)
-    out = {}
+    out, cpu = {}, time.thread_time()
     for name, (lo, hi) in windows(new).items():
         tokens = np.ones(slots, np.int32)
         times = []
@@ -79,6 +90,7 @@ def bare_round(inst, slots: int, new: int, steps: int = 64) -> dict[str, float]:
             np.asarray(new_tokens), np.asarray(logprobs)
             times.append(time.perf_counter() - t)
         out[name] = statistics.median(times)
+    out["host_cpu"] = (time.thread_time() - cpu) / (steps * len(windows(new)))
     return out
 
 
@@ -113,6 +125,8 @@ def main(argv=None) -> int:
                            "ratio": {k: out["overlap"][k] / out["bare"][k] for k in out["bare"]},
                            "sync_ratio": {k: out["sync"][k] / out["bare"][k]
                                           for k in out["bare"]}})
+    cpu = {k: statistics.median(r[k]["host_cpu"] * 1e3 for r in rounds)
+           for k in ("engine_s", "bare_s")}
 
     print(f"\n{args.model} fp32, {args.slots} slots x {args.new} new tokens, "
           f"{args.rounds} rounds ({platform.machine()}, {os.cpu_count()} cores)\n")
@@ -133,6 +147,10 @@ def main(argv=None) -> int:
               f"{statistics.median(ratio):>12.3f}x [{min(ratio):.3f}-{max(ratio):.3f}]"
               f"{statistics.median(sync):>16.3f}x [{min(sync):.3f}-{max(sync):.3f}]")
     print("\nmedian [range] over rounds; target: engine / bare <= 1.10 in both windows")
+    print(f"host CPU per step (median of rounds): engine's threads {cpu['engine_s']:.3f} ms "
+          f"(decode worker, dispatch included, and output), bare loop's {cpu['bare_s']:.3f} "
+          "ms (dispatch and reading tokens)")
+    summary["host_cpu_ms"] = {"engine": cpu["engine_s"], "bare": cpu["bare_s"]}
     write_result(args.out, {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.node(),
                             "cores": os.cpu_count(), "args": vars(args), "rounds": rounds,
                             "summary": summary})
