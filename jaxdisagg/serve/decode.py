@@ -172,11 +172,11 @@ class DecodeScheduler:
                     out.append((i, seq, ahead, n))
         return out
 
-    def _growing(self) -> list[tuple[Sequence, int]]:
-        """(sequence, blocks it lacks) for each row that writes past its blocks in the
-        next step: not every step, once a block's worth of tokens."""
+    def _growing(self, running: list) -> list[tuple[Sequence, int]]:
+        """(sequence, blocks it lacks) for each running row that writes past its blocks
+        in the next step: not every step, once a block's worth of tokens."""
         bs, out = self.blocks.block_size, []
-        for _, seq, _, n in self._running():
+        for _, seq, _, n in running:
             short = (len(seq.prompt) + n - 1) // bs + 1 - len(seq.blocks)
             if short > 0:
                 out.append((seq, short))
@@ -205,7 +205,8 @@ class DecodeScheduler:
     def step(self) -> StepResult:
         """Dispatches one decode step for every active row and returns the tokens of
         the step it reads: this one, or with `overlap` the one dispatched before."""
-        growing = self._growing()
+        running = self._running()
+        growing = self._growing(running)
         if (self._flight is not None
                 and sum(short for _, short in growing) > self.blocks.num_available):
             # Growing would preempt: read the step in flight first, so that a preempted
@@ -215,7 +216,7 @@ class DecodeScheduler:
         failed: list[tuple[Sequence, Exception]] = []
         if growing:
             self._ensure_blocks(growing, preempted, failed)
-        launched = self._launch(failed)
+        launched = self._launch([r for r in running if self.slots[r[0]] is r[1]], failed)
         if self.overlap:
             previous, self._flight = self._take_flight(), launched
             result = self._read(previous)
@@ -233,13 +234,15 @@ class DecodeScheduler:
         flight, self._flight = self._flight, None
         return flight
 
-    def _launch(self, failed: list) -> _InFlight | None:
+    def _launch(self, running: list, failed: list) -> _InFlight | None:
+        """Dispatches a step for `running` (rows preempted since it was taken are out)."""
         b = len(self.slots)
-        tokens, positions, lens, steps = (np.zeros(b, np.int32) for _ in range(4))
+        tokens, positions, lens = (np.zeros(b, np.int32) for _ in range(3))
+        steps = np.zeros(b, np.uint32)
         carried = np.zeros(b, bool)  # the row's input is the step in flight's token
         tables, known = self._tables, self._table_len
         rows = []
-        for i, seq, ahead, n in self._running():
+        for i, seq, ahead, n in running:
             try:
                 failpoint("decode.row", seq.request_id)
                 if len(seq.blocks) != known[i]:  # a block was added since the last step
@@ -261,7 +264,7 @@ class DecodeScheduler:
         # Copies: the arrays of a step in flight must not change under it.
         new, logprobs = self.inst.decode(
             tokens, positions, tables.copy(), lens,
-            params._replace(steps=steps.astype(np.uint32), **{
+            params._replace(steps=steps, **{
                 k: getattr(params, k).copy() for k in ROW_FIELDS}),
             previous=self._flight.new if carried.any() else None, carried=carried)
         return _InFlight(new, logprobs, rows, {id(seq) for _, seq in rows})
