@@ -186,10 +186,12 @@ class IncrementalDecoder:
 
     Bytes that never decode (a random model's, or a broken byte-fallback run) would
     hold the window open for good and make every token cost O(output). So once more
-    than `HOLD` ids are pending, all but the last `KEEP` are released: no character
-    completed in the pending run (each push saw it end in U+FFFD or add no text), and
-    one still being completed spans at most its last 3 ids (UTF-8 has <= 4 bytes a
-    character, an id at least 1), so the cut splits none that will decode.
+    than `HOLD` ids are pending, the run is cut before its last `KEEP` ids that carry
+    text (an id whose own decode is empty, a skipped special, carries no bytes). A
+    character not yet complete has at most 3 bytes in the window (UTF-8 has <= 4 a
+    character, a text-carrying id at least 1), so it lies in the kept tail. One already
+    complete that the cut would split shows up as the released text not being a
+    prefix of the window's; the cut then moves back until it is.
     """
 
     HOLD, KEEP = 8, 3
@@ -207,12 +209,28 @@ class IncrementalDecoder:
         if len(text) <= len(done) or text.endswith("\ufffd"):
             if len(self.ids) - self.read <= self.HOLD:
                 return ""
-            cut = len(self.ids) - self.KEEP
-            text = self.tokenizer.decode(self.ids[self.prefix:cut])
+            cut = self._cut(text)
+            if cut == self.read:
+                return ""
+            head = self.tokenizer.decode(self.ids[self.prefix:cut])
             self.prefix, self.read = self.read, cut
-            return text[len(done):]
+            return head[len(done):]
         self.prefix, self.read = self.read, len(self.ids)
         return text[len(done):]
+
+    def _cut(self, text: str) -> int:
+        """Where the pending run may be released up to (`read`: nowhere)."""
+        cut, kept = len(self.ids), 0
+        while cut > self.read and kept < self.KEEP:
+            cut -= 1
+            kept += bool(self.tokenizer.decode(self.ids[cut:cut + 1]))
+        if kept < self.KEEP:  # fewer text ids than KEEP: keep from the first of them
+            while cut < len(self.ids) and not self.tokenizer.decode(self.ids[cut:cut + 1]):
+                cut += 1
+        while cut > self.read and not text.startswith(
+                self.tokenizer.decode(self.ids[self.prefix:cut])):
+            cut -= 1
+        return cut
 
     def flush(self) -> str:
         done = self.tokenizer.decode(self.ids[self.prefix:self.read])
